@@ -1,0 +1,115 @@
+"""KV cache manager: each request's block table, prefix-cache lookups and allocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.engine.block_pool import BlockPool, KVBlock
+from shoal.engine.request import Request
+from shoal.protocol import KVEvent
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching, block_size)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request in the cache
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Leading blocks of the request already in the prefix cache, and their token count.
+
+        At least one token is always left to compute, so the step produces logits.
+        """
+        if not self.enable_caching or request.wants_prompt_logprobs:
+            return [], 0
+        hashes = request.update_block_hashes(self.block_size)
+        limit = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in hashes[:limit]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+    ) -> bool:
+        """Give the request blocks for num_new_tokens more tokens; False if the pool is short."""
+        computed = computed or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        needed = self.blocks_needed(total) - len(blocks) - len(computed)
+        reclaimable = sum(1 for b in computed if b.ref_cnt == 0)
+        if needed > self.pool.num_free - reclaimable:
+            return False
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            self.num_cached_blocks[request.request_id] = len(blocks)
+        if needed > 0:
+            blocks.extend(self.pool.allocate(needed))
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Enter the request's blocks that are now full of computed tokens into the cache."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        done = self.num_cached_blocks.get(rid, 0)
+        full = request.num_computed_tokens // self.block_size
+        if full <= done:
+            return
+        hashes = request.update_block_hashes(self.block_size)
+        size = self.block_size
+        self.pool.cache_full_blocks(
+            self.req_blocks[rid][done:full],
+            hashes[done:full],
+            hashes[done - 1] if done else None,
+            request.all_token_ids[done * size : full * size],
+            request.lora_id,
+        )
+        self.num_cached_blocks[rid] = full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks (they stay in the prefix cache until evicted)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks[request.request_id]]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()

@@ -1,0 +1,228 @@
+"""LLMEngine: the synchronous engine core (add requests, step, abort) over token ids."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from shoal.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
+from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.model_runner import ModelRunner, kv_bytes_per_block
+from shoal.engine.request import Request
+from shoal.engine.scheduler import Scheduler, SchedulerConfig
+from shoal.kv_hash import extra_key
+from shoal.models.config import ModelConfig
+from shoal.models.loader import load_model, resolve_model_dir
+from shoal.protocol import EngineOutput, EngineRequest, KVEvent, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir, config.dtype)
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.max_model_len = self._max_model_len()
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        t0 = time.perf_counter()
+        model = load_model(self.model_dir, self.model_config, self.device)
+        num_blocks = self._num_kv_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv,
+        )
+        generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.runner = ModelRunner(model, self.model_config, self.kv, self.device, generator)
+        self.requests: dict[str, list[Request]] = {}  # request id -> its sequences
+        log.info(
+            "engine ready in %.2fs: %s on %s, %d KV blocks of %d tokens (%d tokens)",
+            time.perf_counter() - t0,
+            self.model_config.architecture,
+            self.device,
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+        )
+
+    def _max_model_len(self) -> int:
+        cfg, wanted = self.model_config, self.config.max_model_len
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None and cfg.sliding_window < limit:
+            limit = cfg.sliding_window  # no sliding-window attention: stay inside the window
+        if wanted is not None and wanted > limit:
+            raise ValueError(
+                f"max_model_len {wanted} exceeds what the model supports ({limit}: "
+                "max_position_embeddings, or sliding_window which shoal does not implement)"
+            )
+        return wanted or limit
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_gpu_blocks is not None:
+            return self.config.num_gpu_blocks
+        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.model_config.dtype)
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used
+        if budget is None:
+            budget = CPU_KV_CACHE_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache memory {budget} bytes holds no block of {per_block} bytes")
+        return num_blocks
+
+    # ---- requests
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises ValueError if it can never be served."""
+        rid, sp = request.request_id, request.sampling
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        prompt = list(request.prompt_token_ids)
+        self._validate(prompt, sp)
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(prompt)
+        eos = frozenset(request.eos_token_ids) or self.eos_token_ids
+        key = extra_key(request.lora_id)
+        seqs: list[Request] = []
+        for i in range(sp.n):
+            seqs.append(
+                Request(
+                    rid if sp.n == 1 else f"{rid}#{i}",
+                    prompt,
+                    sp,
+                    eos,
+                    max_tokens,
+                    output_id=rid,
+                    index=i,
+                    extra_key=key,
+                    lora_id=request.lora_id,
+                    seed=None if sp.seed is None else sp.seed + i,
+                    leader=seqs[0] if seqs and self.config.enable_prefix_caching else None,
+                )
+            )
+        self.requests[rid] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _validate(self, prompt: list[int], sp: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}"
+            )
+        if sp.max_tokens is not None and len(prompt) + sp.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sp.max_tokens}) = "
+                f"{len(prompt) + sp.max_tokens} exceeds max_model_len {self.max_model_len}"
+            )
+        total = len(prompt) + (sp.max_tokens or self.max_model_len - len(prompt))
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            raise ValueError(
+                f"request needs up to {total} tokens of KV cache; the pool holds "
+                f"{self.kv.num_blocks * self.kv.block_size}"
+            )
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request (or one of its n sequences) now and free its KV blocks.
+
+        Unknown ids are ignored.
+        """
+        seqs = self.requests.get(request_id)
+        if not seqs:
+            return
+        stopped = seqs if index is None else [seqs[index]]
+        for seq in stopped:
+            seq.finish_reason = seq.finish_reason or "abort"
+        self.scheduler.finish(stopped)
+        if all(s.is_finished for s in seqs):
+            del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step
+
+    def step(self) -> list[EngineOutput]:
+        """Run one scheduled batch through the model and report every sequence's news."""
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            return []
+        result = self.runner.execute(sched)
+        finished: list[Request] = []
+        touched: list[Request] = []
+        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
+            prompt_lps = result.prompt_logprobs.get(req.request_id)
+            if prompt_lps and len(req.prompt_logprobs) == req.num_computed_tokens:
+                req.prompt_logprobs += prompt_lps  # (a recompute after preemption adds none)
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req)
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            if req.request_id in result.logprobs:
+                req.new_logprobs.append(result.logprobs[req.request_id])
+            touched.append(req)
+            if req.check_stop(self.max_model_len):
+                finished.append(req)
+        self.scheduler.finish(finished)
+        outputs = [self._output(req) for req in touched]
+        for req in finished:
+            seqs = self.requests.get(req.output_id)
+            if seqs is not None and all(s.is_finished for s in seqs):
+                del self.requests[req.output_id]
+        return outputs
+
+    def _output(self, req: Request) -> EngineOutput:
+        new = req.all_token_ids[req.num_prompt_tokens + req.num_emitted :]
+        first = req.num_emitted == 0
+        req.num_emitted += len(new)
+        out = EngineOutput(
+            request_id=req.output_id,
+            index=req.index,
+            new_token_ids=new,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        if req.sampling.logprobs is not None:
+            out.new_logprobs, req.new_logprobs = req.new_logprobs, []
+        if first and req.wants_prompt_logprobs:
+            out.prompt_logprobs = [None, *req.prompt_logprobs]
+        return out
+
+    # ---- state for the serving layer
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+

@@ -1,0 +1,110 @@
+"""A request inside the engine: its tokens, progress, sampling state and KV block hashes."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from shoal.kv_hash import hash_blocks
+from shoal.protocol import SamplingParams, TokenLogprob
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    """One sequence being generated (a request with n > 1 becomes n of these)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos_token_ids: frozenset[int],
+        max_tokens: int,
+        *,
+        output_id: str | None = None,
+        index: int = 0,
+        extra_key: bytes = b"",
+        lora_id: int | None = None,
+        seed: int | None = None,
+        leader: Request | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.output_id = output_id or request_id  # the id its outputs are reported under
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.stop_token_ids = frozenset(sampling.stop_token_ids) | (
+            frozenset() if sampling.ignore_eos else eos_token_ids
+        )
+        self.extra_key = extra_key
+        self.lora_id = lora_id
+        self.leader = leader  # a sibling whose prompt blocks this one waits to share
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.block_hashes: list[int] = []
+        self.num_emitted = 0  # output tokens already reported
+        self.new_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.prompt_logprobs is not None
+
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Extend block_hashes over every full block of the tokens known so far."""
+        done = len(self.block_hashes)
+        if (done + 1) * block_size <= self.num_tokens:
+            parent = self.block_hashes[-1] if done else None
+            self.block_hashes += hash_blocks(
+                self.all_token_ids, block_size, self.extra_key, parent, start=done * block_size
+            )
+        return self.block_hashes
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Decide, after a token was appended, whether this sequence is done."""
+        last = self.all_token_ids[-1]
+        n_out = self.num_output_tokens
+        if n_out >= self.sampling.min_tokens and last in self.stop_token_ids:
+            self.finish_reason = "stop"
+            self.stop_reason = None if last in self._eos_only() else last
+        elif n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def _eos_only(self) -> frozenset[int]:
+        return self.stop_token_ids - frozenset(self.sampling.stop_token_ids)

@@ -1,0 +1,1 @@
+"""Compute kernels: Triton kernels for the GPU and their pure-torch references (the oracle)."""

@@ -1,0 +1,54 @@
+"""THE block-hash function: engine and router both call it, so they agree on every block.
+
+h_i = xxh3_64(h_{i-1} as 8 little-endian bytes + token ids as little-endian u32 + extra key),
+with a fixed seed; the first block of a sequence has no parent bytes. Only full blocks
+are hashed.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+from sys import byteorder
+
+import xxhash
+
+HASH_SEED = 0x5E0A1
+
+
+def extra_key(lora_id: int | None = None, mm_hashes: Sequence[str] = ()) -> bytes:
+    """The extra bytes mixed into every block hash (LoRA adapter and multimodal content)."""
+    if lora_id is None and not mm_hashes:
+        return b""
+    parts = [b"lora", struct.pack("<q", lora_id or 0)]
+    parts.extend(h.encode() for h in mm_hashes)
+    return b"|".join(parts)
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    buf = array("I", token_ids)
+    if byteorder != "little":
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    """Hash of one full block given its parent's hash (None for the first block)."""
+    prefix = b"" if parent is None else parent.to_bytes(8, "little")
+    return xxhash.xxh3_64_intdigest(prefix + _token_bytes(token_ids) + extra, seed=HASH_SEED)
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: bytes = b"",
+    parent: int | None = None,
+    start: int = 0,
+) -> list[int]:
+    """Chained hashes of every full block of token_ids[start:], continuing from parent."""
+    hashes = []
+    for begin in range(start, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[begin : begin + block_size], extra)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,1 @@
+"""Model building blocks: attention, rotary embedding, norms, activations."""

@@ -1,0 +1,98 @@
+"""Build a model from an HF checkpoint: a local folder or a Hugging Face model id."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shoal.models.config import ModelConfig
+from shoal.models.registry import model_class
+
+HF_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """The local folder of `model`: itself if it is a folder, else a Hugging Face download."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if path.exists() or str(model).startswith((".", "/")):
+        raise FileNotFoundError(f"model path {model} is not a directory")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(model), allow_patterns=HF_PATTERNS))
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files (from the sharded index when there is one)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index.name} are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def load_model(path: Path, cfg: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
+    """Instantiate the config's architecture on `device` and fill it from the safetensors."""
+    torch_device = torch.device(device)
+    with torch.device(torch_device):
+        model = model_class(cfg)(cfg).to(cfg.dtype)
+    load_weights(model, safetensors_files(path))
+    return model.eval()
+
+
+def load_weights(model: nn.Module, files: list[Path]) -> None:
+    """Copy every checkpoint tensor into its parameter; fail on unknown or missing weights."""
+    params = dict(model.named_parameters())
+    filled: dict[str, set[int]] = {}
+    tied = model.config.tie_word_embeddings
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                    continue
+                target, shard = _target(name, model.packed_modules)
+                if target not in params:
+                    raise ValueError(f"{file.name}: weight {name!r} has no place in the model")
+                dest = params[target].data
+                if shard is not None:
+                    sizes = model.shard_sizes(target)
+                    dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+                tensor = f.get_tensor(name)
+                if dest.shape != tensor.shape:
+                    raise ValueError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dest.shape)}"
+                    )
+                dest.copy_(tensor)
+                filled.setdefault(target, set()).add(shard or 0)
+    missing = [
+        n
+        for n, p in params.items()
+        if len(filled.get(n, ())) < (len(model.shard_sizes(n)) if n.endswith(_FUSED) else 1)
+        and not (tied and n == "lm_head.weight")
+    ]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
+
+
+_FUSED = ("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")
+
+
+def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """The model parameter a checkpoint tensor fills, and its shard if the parameter is fused."""
+    for ckpt_name, (fused, shard) in packed.items():
+        if f".{ckpt_name}." in name:
+            return name.replace(f".{ckpt_name}.", f".{fused}."), shard
+    return name, None

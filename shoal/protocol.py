@@ -1,0 +1,221 @@
+"""Wire types shared by the frontend, router, workers and engine (msgspec structs, no pickle)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to sample one request; field names and meanings follow vLLM's SamplingParams."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field whose value cannot be honoured."""
+        checks = [
+            (self.n >= 1, "n", "must be at least 1"),
+            (self.temperature >= 0.0, "temperature", "must be non-negative"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0 or self.top_k == -1, "top_k", "must be 0 or -1 (off) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "must not exceed max_tokens",
+            ),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative"),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs",
+                "must be non-negative",
+            ),
+            (all(s for s in self.stop), "stop", "must not contain empty strings"),
+        ]
+        for ok, field, message in checks:
+            if not ok:
+                raise ValueError(f"{field} {message} (got {getattr(self, field)!r})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """Log-probability of one position: the chosen token first, then the top alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """A token-level request sent to a worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    lora_id: int | None = None
+    arrival_time: float = 0.0
+
+
+class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of one sequence of a request since its last output."""
+
+    request_id: str
+    index: int = 0
+    new_token_ids: list[int] = msgspec.field(default_factory=list)
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# KV events, in vLLM's layout so a router can follow shoal and vLLM workers alike.
+
+
+class BlockStored(msgspec.Struct, tag=True, kw_only=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, kw_only=True):
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, kw_only=True):
+    timestamp: float
+    events: list[KVEvent]
+    seq: int = 0
+    worker_id: str = ""
+
+
+class LoadReport(msgspec.Struct, kw_only=True):
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    active_blocks: int
+    total_blocks: int
+    timestamp: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed runtime (shoal/runtime): instance records in discovery, and the request plane's
+# frames. A request-plane message is a ZMQ multipart message: one header frame (a struct
+# below, msgpack) and, for StreamOpen and StreamData only, one payload frame (the endpoint's
+# own request or response struct, msgpack).
+
+
+class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a worker serves: enough for a frontend to tokenize and a router to count blocks."""
+
+    model_name: str
+    tokenizer: str
+    context_length: int
+    kv_block_size: int
+    num_kv_blocks: int
+
+
+class InstanceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One worker instance serving one endpoint, as stored in discovery."""
+
+    instance_id: str
+    endpoint: str  # namespace.component.endpoint
+    address: str  # request plane, e.g. tcp://10.0.0.5:41234
+    card: ModelCard | None = None
+    extra: dict[str, str] = msgspec.field(default_factory=dict)  # e.g. {"kv_events": "tcp://..."}
+
+
+class StreamOpen(msgspec.Struct, tag=1, array_like=True):
+    """Client to server: start stream `rid` on `endpoint`; the payload frame is the request."""
+
+    rid: int
+    endpoint: str
+    window: int  # responses the server may send before it needs a StreamCredit
+
+
+class StreamCredit(msgspec.Struct, tag=2, array_like=True):
+    """Client to server: the consumer took `n` more responses of stream `rid`."""
+
+    rid: int
+    n: int
+
+
+class StreamCancel(msgspec.Struct, tag=3, array_like=True):
+    """Client to server: stop stream `rid`; the server cancels its handler task."""
+
+    rid: int
+
+
+class Heartbeat(msgspec.Struct, tag=4, array_like=True):
+    """Either way: a liveness probe from the client, echoed by the server."""
+
+    seq: int
+
+
+class StreamData(msgspec.Struct, tag=5, array_like=True):
+    """Server to client: one response of stream `rid`; the payload frame is the response."""
+
+    rid: int
+
+
+class StreamEnd(msgspec.Struct, tag=6, array_like=True):
+    """Server to client: stream `rid` is over (the handler finished or was cancelled)."""
+
+    rid: int
+
+
+class StreamError(msgspec.Struct, tag=7, array_like=True):
+    """Server to client: stream `rid` failed; `code` names the kind of failure."""
+
+    rid: int
+    code: str  # "handler" | "no_endpoint" | "bad_request" | "overloaded" | "shutdown"
+    message: str
+
+
+ClientFrame = StreamOpen | StreamCredit | StreamCancel | Heartbeat
+ServerFrame = StreamData | StreamEnd | StreamError | Heartbeat
