@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tiny_models import ARCHITECTURES, write_model, write_tokenizer  # noqa: E402
+from tiny_models import ARCHITECTURES, write_model, write_tokenizer
 
 
 @pytest.fixture(scope="session")

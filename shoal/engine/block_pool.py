@@ -8,7 +8,7 @@ from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class KVBlock:
-    __slots__ = ("block_id", "block_hash", "next", "prev", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "next", "prev", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

@@ -27,9 +27,21 @@ class EngineConfig:
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1"),
             (self.block_size >= 1, "block_size", "must be at least 1"),
-            (self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks", "must be at least 1"),
-            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
-            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be at least 1"),
+            (
+                self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
+                "num_gpu_blocks",
+                "must be at least 1",
+            ),
+            (
+                0.0 < self.gpu_memory_utilization <= 1.0,
+                "gpu_memory_utilization",
+                "must be in (0, 1]",
+            ),
+            (
+                self.max_model_len is None or self.max_model_len >= 1,
+                "max_model_len",
+                "must be at least 1",
+            ),
         ]
         for ok, name, message in checks:
             if not ok:

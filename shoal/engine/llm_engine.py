@@ -71,7 +71,9 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         if self.config.num_gpu_blocks is not None:
             return self.config.num_gpu_blocks
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.model_config.dtype)
+        per_block = kv_bytes_per_block(
+            self.model_config, self.config.block_size, self.model_config.dtype
+        )
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -93,7 +95,9 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         prompt = list(request.prompt_token_ids)
         self._validate(prompt, sp)
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(prompt)
+        max_tokens = (
+            sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(prompt)
+        )
         eos = frozenset(request.eos_token_ids) or self.eos_token_ids
         key = extra_key(request.lora_id)
         seqs: list[Request] = []
@@ -225,4 +229,3 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-

@@ -61,7 +61,9 @@ class Sampler:
                     vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty
                 )
             if s.presence_penalty or s.frequency_penalty:
-                out = torch.tensor(requests[i].output_token_ids, device=logits.device)
+                out = torch.tensor(
+                    requests[i].output_token_ids, dtype=torch.long, device=logits.device
+                )
                 counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)
                 row -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0)
         return logits

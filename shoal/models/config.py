@@ -49,7 +49,9 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
         if heads % kv_heads:
-            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         theta, scaling = _rope(hf)
         eos = hf.get("eos_token_id")
         cfg = cls(

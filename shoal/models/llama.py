@@ -1,6 +1,6 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3), written as its equations.
 
-    h   = x + Attn(RMSNorm(x))          Attn: q,k,v = W_qkv h (+b); RoPE(q, k); softmax(qk^T/sqrt(d)) v
+    h   = x + Attn(RMSNorm(x))     Attn: q,k,v = W_qkv h (+b); RoPE(q,k); softmax(qk^T/sqrt(d)) v
     out = h + W_down(silu(W_gate h') * W_up h'),  h' = RMSNorm(h)
 
 Qwen2 adds a bias to q, k, v; Qwen3 normalises q and k per head before RoPE.
@@ -8,6 +8,8 @@ q/k/v and gate/up projections are fused into one matmul each; the loader fills t
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -100,7 +102,7 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint name -> (fused parameter name, shard index)
-    packed_modules = {
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),

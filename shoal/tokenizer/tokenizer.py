@@ -81,7 +81,9 @@ class TextTokenizer:
             **kwargs,
         )
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> list[int]:
         """Token ids of the rendered chat; the template already carries the special tokens."""
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
