@@ -18,7 +18,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(
+        f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
