@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+# The endpoint every engine worker serves and every frontend calls.
+GENERATE_ENDPOINT = "shoal.backend.generate"
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request; field names and meanings follow vLLM's SamplingParams."""

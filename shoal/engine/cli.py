@@ -22,6 +22,7 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("kv-cache-memory-bytes", int, "KV cache size in bytes (default: 512 MiB on CPU)"),
     ("gpu-memory-utilization", float, "fraction of GPU memory for weights + KV (default 0.9)"),
     ("seed", int, "engine random seed (default 0)"),
+    ("load-format", str, "auto (safetensors) or dummy (random weights, for benchmarks)"),
 ]
 ENGINE_SWITCHES = [
     ("prefix-caching", "automatic prefix caching (default on)"),

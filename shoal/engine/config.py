@@ -21,6 +21,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    load_format: str = "auto"  # auto: safetensors; dummy: random weights (benchmarks)
 
     def __post_init__(self) -> None:
         checks = [

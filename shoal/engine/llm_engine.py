@@ -31,7 +31,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         t0 = time.perf_counter()
-        model = load_model(self.model_dir, self.model_config, self.device)
+        model = load_model(self.model_dir, self.model_config, self.device, config.load_format)
         num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(

@@ -43,13 +43,38 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: Path, cfg: ModelConfig, device: torch.device | str = "cpu") -> nn.Module:
-    """Instantiate the config's architecture on `device` and fill it from the safetensors."""
-    torch_device = torch.device(device)
-    with torch.device(torch_device):
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_model(
+    path: Path, cfg: ModelConfig, device: torch.device | str = "cpu", load_format: str = "auto"
+) -> nn.Module:
+    """Instantiate the config's architecture on `device` and fill it from the safetensors.
+
+    load_format "dummy" fills random weights instead (benchmarks of real shapes need no
+    checkpoint: random weights cost exactly what real ones do).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    with torch.device(torch.device(device)):
         model = model_class(cfg)(cfg).to(cfg.dtype)
-    load_weights(model, safetensors_files(path))
+    if load_format == "dummy":
+        init_random_weights(model)
+    else:
+        load_weights(model, safetensors_files(path))
     return model.eval()
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, std: float = 0.02) -> None:
+    """Normal(0, std) matrices and embeddings, unit norm weights, zero biases."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, std)
 
 
 def load_weights(model: nn.Module, files: list[Path]) -> None:

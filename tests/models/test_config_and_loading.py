@@ -107,3 +107,12 @@ def test_sliding_window_caps_context(tmp_path, model_dirs):
 def test_bfloat16_runs(llama_dir):
     out = LLM(str(llama_dir), dtype="bfloat16").generate([[5, 6, 7]])[0]
     assert len(out.outputs[0].token_ids) == 16
+
+
+def test_dummy_load_format_needs_only_a_config(tmp_path, llama_dir):
+    shutil.copy(llama_dir / "config.json", tmp_path / "config.json")
+    shutil.copy(llama_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    out = LLM(str(tmp_path), load_format="dummy").generate([[5, 6, 7]])[0]
+    assert len(out.outputs[0].token_ids) == 16
+    with pytest.raises(ValueError, match="load_format 'pickle'"):
+        LLM(str(llama_dir), load_format="pickle")
