@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -134,6 +135,8 @@ def prefill(engine: LLMEngine, vocab: int, num: int = 8, length: int = 2048) -> 
 
 
 def commit() -> str:
+    if os.environ.get("SHOAL_COMMIT"):
+        return os.environ["SHOAL_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):

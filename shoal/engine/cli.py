@@ -28,6 +28,7 @@ ENGINE_SWITCHES = [
     ("prefix-caching", "automatic prefix caching (default on)"),
     ("chunked-prefill", "split long prompts across steps (default on)"),
 ]
+FLAGS_OFF_BY_DEFAULT = [("enforce-eager", "GPU: run decode without CUDA graphs (default off)")]
 
 
 def env_name(flag: str) -> str:
@@ -71,10 +72,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             default=_env_value(env, kind),
             help=f"{text} [env {env}]",
         )
-    for flag, text in ENGINE_SWITCHES:
-        env = env_name("enable-" + flag)
+    switches = [("enable-" + f, t) for f, t in ENGINE_SWITCHES] + FLAGS_OFF_BY_DEFAULT
+    for flag, text in switches:
+        env = env_name(flag)
         group.add_argument(
-            f"--enable-{flag}",
+            f"--{flag}",
             action=argparse.BooleanOptionalAction,
             default=_env_bool(env),
             help=f"{text} [env {env}]",
@@ -85,6 +87,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword options given on the command line (unset ones left to defaults)."""
     names = [f.replace("-", "_") for f, _, _ in ENGINE_FLAGS]
     names += ["enable_" + f.replace("-", "_") for f, _ in ENGINE_SWITCHES]
+    names += [f.replace("-", "_") for f, _ in FLAGS_OFF_BY_DEFAULT]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

@@ -22,6 +22,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     load_format: str = "auto"  # auto: safetensors; dummy: random weights (benchmarks)
+    enforce_eager: bool = False  # GPU: run decode without CUDA graphs
 
     def __post_init__(self) -> None:
         checks = [

@@ -9,7 +9,7 @@ import torch
 
 from shoal.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.model_runner import ModelRunner, kv_bytes_per_block
+from shoal.engine.model_runner import ModelRunner, kv_bytes_per_block, run_profile_step
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler, SchedulerConfig
 from shoal.kv_hash import extra_key
@@ -32,7 +32,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         t0 = time.perf_counter()
         model = load_model(self.model_dir, self.model_config, self.device, config.load_format)
-        num_blocks = self._num_kv_blocks()
+        load_time = time.perf_counter() - t0
+        num_blocks = self._num_kv_blocks(model)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -44,11 +45,24 @@ class LLMEngine:
             self.kv,
         )
         generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.runner = ModelRunner(model, self.model_config, self.kv, self.device, generator)
+        self.runner = ModelRunner(
+            model,
+            self.model_config,
+            self.kv,
+            self.device,
+            generator,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=config.enforce_eager,
+        )
+        graph_time = self.runner.capture_graphs()
         self.requests: dict[str, list[Request]] = {}  # request id -> its sequences
         log.info(
-            "engine ready in %.2fs: %s on %s, %d KV blocks of %d tokens (%d tokens)",
+            "engine ready in %.2fs (weights %.2fs, graphs %.2fs): %s on %s, "
+            "%d KV blocks of %d tokens = %d tokens of KV cache",
             time.perf_counter() - t0,
+            load_time,
+            graph_time,
             self.model_config.architecture,
             self.device,
             num_blocks,
@@ -68,23 +82,41 @@ class LLMEngine:
             )
         return wanted or limit
 
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_gpu_blocks is not None:
-            return self.config.num_gpu_blocks
-        per_block = kv_bytes_per_block(
-            self.model_config, self.config.block_size, self.model_config.dtype
-        )
-        budget = self.config.kv_cache_memory_bytes
+    def _num_kv_blocks(self, model: torch.nn.Module) -> int:
+        cfg, config = self.model_config, self.config
+        if config.num_gpu_blocks is not None:
+            return config.num_gpu_blocks
+        per_block = kv_bytes_per_block(cfg, config.block_size, cfg.dtype)
+        budget = config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * self.config.gpu_memory_utilization) - used
+            budget = self._profile_kv_budget(model)
         if budget is None:
             budget = CPU_KV_CACHE_BYTES
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"KV cache memory {budget} bytes holds no block of {per_block} bytes")
         return num_blocks
+
+    def _profile_kv_budget(self, model: torch.nn.Module) -> int:
+        """GPU bytes left for the KV cache: the utilization share minus weights, the peak
+        activations of a full-budget step, and memory used outside this process's torch."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        run_profile_step(model, self.model_config, tokens, self.config.block_size, self.device)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - outside_torch
+        log.info(
+            "GPU memory: total %.1f GiB, weights+activations peak %.2f GiB, "
+            "other processes %.2f GiB -> KV cache %.2f GiB",
+            total / 2**30,
+            peak / 2**30,
+            outside_torch / 2**30,
+            budget / 2**30,
+        )
+        torch.cuda.empty_cache()
+        return budget
 
     # ---- requests
 

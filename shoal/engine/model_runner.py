@@ -2,15 +2,17 @@
 
 Sequences are concatenated (no padding); every token gets its position and its cache
 slot; each sequence its block table. Only sequences whose scheduled chunk reaches their
-last known token are sampled.
+last known token are sampled. On CUDA, pure-decode batches replay captured CUDA graphs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from shoal.engine.cuda_graphs import DecodeGraphs
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request
 from shoal.engine.sampler import Sampler, top_logprobs
@@ -27,8 +29,48 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprob | None]]
 
 
+@dataclass
+class BatchInputs:
+    """Host-side description of one flat batch."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T]
+    block_table: np.ndarray  # [B, width] int32
+    seq_lens: np.ndarray  # [B] int32
+    query_start: np.ndarray  # [B + 1] int32
+    query_lens: list[int]
+    seq_lens_host: list[int]
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+@torch.inference_mode()
+def run_profile_step(
+    model: torch.nn.Module, cfg: ModelConfig, num_tokens: int, block_size: int, device
+) -> None:
+    """One forward of a num_tokens prompt through a scratch cache, to measure peak memory."""
+    blocks = -(-num_tokens // block_size)
+    shape = (2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    layers = model.attention_layers()
+    for layer in layers:
+        layer.kv_cache = torch.empty(shape, dtype=cfg.dtype, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        max_query_len=num_tokens,
+        query_lens_host=[num_tokens],
+        seq_lens_host=[num_tokens],
+    )
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), meta)
+    model.compute_logits(hidden[-256:]).float().softmax(-1)
+    for layer in layers:
+        layer.kv_cache = torch.empty(0)
 
 
 class ModelRunner:
@@ -39,6 +81,9 @@ class ModelRunner:
         kv: KVCacheManager,
         device: torch.device,
         generator: torch.Generator | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int = 4096,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.cfg = cfg
@@ -52,53 +97,108 @@ class ModelRunner:
         ]
         for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             layer.kv_cache = cache
+        self.graphs: DecodeGraphs | None = None
+        self.decode_workspace = None
+        if device.type == "cuda":
+            from shoal.kernels.paged_attention import DecodeWorkspace
+
+            max_blocks = -(-max_model_len // self.block_size)
+            self.decode_workspace = DecodeWorkspace(
+                max_num_seqs, cfg.num_heads, cfg.head_dim, num_splits=16, device=device
+            )
+            if not enforce_eager:
+                self.graphs = DecodeGraphs(
+                    model, cfg, device, max_num_seqs, max_blocks, self.decode_workspace
+                )
+
+    def capture_graphs(self) -> float:
+        """Capture the decode CUDA graphs; returns seconds spent (0 when graphs are off)."""
+        return self.graphs.capture() if self.graphs is not None else 0.0
+
+    def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
+        reqs, counts = sched.requests, sched.num_new_tokens
+        bs = self.block_size
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
+        n = np.asarray(counts, dtype=np.int64)
+        query_start = np.zeros(len(reqs) + 1, dtype=np.int32)
+        np.cumsum(n, out=query_start[1:])
+        total = int(query_start[-1])
+        seq_index = np.repeat(np.arange(len(reqs)), n)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(starts - query_start[:-1], n)
+        tables = [self.kv.block_ids(r) for r in reqs]
+        block_table = np.zeros((len(reqs), max(len(t) for t in tables)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_table[i, : len(t)] = t
+        slots = block_table[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        if len(reqs) == total:  # decode: one token each
+            input_ids = np.fromiter((r.all_token_ids[-1] for r in reqs), np.int64, total)
+        else:
+            input_ids = np.fromiter(
+                (
+                    t
+                    for r, c in zip(reqs, counts, strict=True)
+                    for t in r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + c]
+                ),
+                np.int64,
+                total,
+            )
+        ends = starts + n
+        return BatchInputs(
+            input_ids,
+            positions,
+            slots,
+            block_table,
+            ends.astype(np.int32),
+            query_start,
+            list(counts),
+            ends.tolist(),
+        )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        num_seqs = len(batch.query_lens)
+        is_decode = batch.input_ids.shape[0] == num_seqs
+        if is_decode and self.graphs is not None and self.graphs.fits(num_seqs):
+            return self.graphs.replay(batch)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(batch.slots),
+            block_tables=self._tensor(batch.block_table),
+            seq_lens=self._tensor(batch.seq_lens),
+            query_start_loc=self._tensor(batch.query_start),
+            max_query_len=max(batch.query_lens),
+            query_lens_host=batch.query_lens,
+            seq_lens_host=batch.seq_lens_host,
+            decode_workspace=self.decode_workspace if is_decode else None,
+        )
+        return self.model(self._tensor(batch.input_ids), self._tensor(batch.positions), meta)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, slots, tables = [], [], [], []
-        query_lens, seq_lens = [], []
+        batch = self._prepare(sched)
         sample_rows: list[int] = []  # flat index of the last token of each sampled sequence
         sample_reqs: list[Request] = []
         prompt_rows: list[int] = []  # flat indices whose logits score the next prompt token
         prompt_lp: list[tuple[Request, int, int, int]] = []  # req, first row, first pos, count
-        offset = 0
-        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
-            start = req.num_computed_tokens
-            end = start + n
-            block_ids = self.kv.block_ids(req)
-            input_ids += req.all_token_ids[start:end]
-            positions += range(start, end)
-            slots += [
-                block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(start, end)
-            ]
-            tables.append(block_ids)
-            query_lens.append(n)
-            seq_lens.append(end)
+        for i, req in enumerate(sched.requests):
+            offset = int(batch.query_start[i])
+            start, end = req.num_computed_tokens, batch.seq_lens_host[i]
             if req.wants_prompt_logprobs and start < req.num_prompt_tokens - 1:
                 count = min(end, req.num_prompt_tokens - 1) - start
                 prompt_lp.append((req, len(prompt_rows), start, count))
                 prompt_rows += range(offset, offset + count)
             if end == req.num_tokens:
                 sample_reqs.append(req)
-                sample_rows.append(offset + n - 1)
-            offset += n
+                sample_rows.append(int(batch.query_start[i + 1]) - 1)
 
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=self.device
-        )
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=block_tables,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, meta)
-        rows = torch.tensor(prompt_rows + sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows]).float()
+        hidden = self._forward(batch)
+        rows = prompt_rows + sample_rows
+        if rows == list(range(hidden.shape[0])):
+            selected = hidden
+        else:
+            selected = hidden[torch.tensor(rows, dtype=torch.int64).to(self.device)]
+        logits = self.model.compute_logits(selected).float()
 
         out = RunnerOutput({}, {}, {})
         for req, row, first_pos, count in prompt_lp:

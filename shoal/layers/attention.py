@@ -1,8 +1,14 @@
-"""Paged attention layer: stores the new K/V in the layer's cache, then attends over it."""
+"""Paged attention layer: stores the new K/V in the layer's cache, then attends over it.
+
+On CUDA it runs the Triton kernels (decode batches through the split-KV decode kernel);
+elsewhere the pure-torch reference.
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -14,10 +20,21 @@ from shoal.kernels.paged_attention_ref import paged_attention_ref, write_kv_cach
 class AttentionMetadata:
     """Where the tokens of a flat batch go and what each of its sequences attends to."""
 
-    slot_mapping: torch.Tensor  # [T] cache slot of every new token
-    block_tables: torch.Tensor  # [B, max_blocks] block ids of every sequence
-    query_lens: list[int]  # new tokens per sequence
-    seq_lens: list[int]  # context length per sequence, new tokens included
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token (-1: padding)
+    block_tables: torch.Tensor  # [B, max_blocks] int32 block ids of every sequence
+    seq_lens: torch.Tensor  # [B] int32 context length per sequence, new tokens included
+    query_start_loc: torch.Tensor  # [B + 1] int32 offsets of each sequence's new tokens
+    max_query_len: int
+    query_lens_host: list[int]  # host copies, for the reference path
+    seq_lens_host: list[int]
+    decode_workspace: object | None = None  # DecodeWorkspace when decode batches use it
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType:
+    from shoal.kernels import paged_attention
+
+    return paged_attention
 
 
 class Attention(nn.Module):
@@ -31,8 +48,37 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
+        if q.is_cuda:
+            return self._forward_triton(q, k, v, meta).flatten(1)
         write_kv_cache_ref(k, v, self.kv_cache, meta.slot_mapping)
         out = paged_attention_ref(
-            q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens, self.scale
+            q,
+            self.kv_cache,
+            meta.block_tables,
+            meta.query_lens_host,
+            meta.seq_lens_host,
+            self.scale,
         )
         return out.flatten(1)
+
+    def _forward_triton(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        kernels = _triton_kernels()
+        kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping)
+        if meta.max_query_len == 1 and meta.decode_workspace is not None:
+            return kernels.decode_attention(
+                q,
+                self.kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                self.scale,
+                meta.decode_workspace,
+            )
+        return kernels.prefill_attention(
+            q,
+            self.kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            self.scale,
+        )

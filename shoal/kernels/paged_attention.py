@@ -1,0 +1,392 @@
+"""Triton paged attention for Hopper (and any GPU Triton supports).
+
+Three kernels over the paged KV cache [2, num_blocks, block_size, kv_heads, head_dim]:
+
+- store_kv: writes the new tokens' K and V at their slots (slot < 0 = padding, skipped).
+- prefill attention: causal attention of each sequence's new queries (a prompt chunk, or
+  a decode token) over its whole context, read through the block table. The query heads of
+  one KV head are packed into the rows of one tile (GQA packing), so K/V are read once per
+  group.
+- decode attention: one query per sequence, the context split across programs
+  (flash-decoding) so short batches still fill the GPU; a second kernel merges the splits.
+  Shapes depend only on the batch size, so it can be captured in a CUDA graph.
+
+pure-torch references: shoal/kernels/paged_attention_ref.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key,
+    value,
+    cache,
+    slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    half,  # elements between the K and the V half of the cache
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot < 0:
+        return
+    d = tl.arange(0, BLOCK_D)
+    mask = d < HEAD_DIM
+    k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask)
+    dst = cache + (slot * NUM_KV_HEADS + h) * HEAD_DIM + d
+    tl.store(dst, k.to(cache.dtype.element_ty), mask=mask)
+    tl.store(dst + half, v.to(cache.dtype.element_ty), mask=mask)
+
+
+def _precision(query: torch.Tensor) -> str:
+    """Full float32 products for float32 inputs (the tests' exact mode), tensor cores otherwise."""
+    return "ieee" if query.dtype == torch.float32 else "tf32"
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write key/value [T, kv_heads, head_dim] into kv_cache at slot_mapping [T]."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache[0].numel(),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _kv_tile_offsets(
+    block_tables, seq, stride_bt, kv_pos, kv_head, d, PAGE: tl.constexpr, NUM_KV_HEADS, HEAD_DIM
+):
+    """Element offsets of the cache rows holding tokens kv_pos of one sequence and KV head."""
+    page = tl.load(block_tables + seq * stride_bt + kv_pos // PAGE).to(tl.int64)
+    row = (page * PAGE + kv_pos % PAGE) * NUM_KV_HEADS + kv_head
+    return row[:, None] * HEAD_DIM + d[None, :]
+
+
+@triton.jit
+def _prefill_kernel(
+    query,
+    cache,
+    out,
+    block_tables,
+    seq_lens,
+    query_start,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    half,
+    GROUP: tl.constexpr,  # query heads per KV head
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows: BLOCK_Q queries x GROUP heads
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start + seq)
+    q_len = tl.load(query_start + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context = seq_len - q_len  # tokens before this step's queries
+
+    r = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (q_idx < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        query + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q_pos = context + q_idx
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_Q)
+    for start in range(0, kv_end, BLOCK_N):
+        kv_pos = start + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos < kv_end
+        offs = _kv_tile_offsets(
+            block_tables, seq, stride_bt, kv_pos, kv_head, d, PAGE, NUM_KV_HEADS, HEAD_DIM
+        )
+        tile_ok = kv_ok[:, None] & d_ok[None, :]
+        k = tl.load(cache + offs, mask=tile_ok, other=0.0)
+        v = tl.load(cache + half + offs, mask=tile_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        causal = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        acc.to(out.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of query [T, heads, head_dim] (sequences back to back) over the cache."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query) if out is None else out
+    block_m = max(16, min(128, triton.next_power_of_2(group * max_query_len)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (block_tables.shape[0], triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        kv_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache[0].numel(),
+        GROUP=group,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        PAGE=page,
+        PRECISION=_precision(query),
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    query,
+    cache,
+    part_m,
+    part_l,
+    part_acc,
+    block_tables,
+    seq_lens,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    half,
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + seq)
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(tiles, NUM_SPLITS)
+    first = split * per_split * BLOCK_N
+    last = tl.minimum((split + 1) * per_split * BLOCK_N, seq_len)
+
+    r = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + r
+    row_ok = r < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        query + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(first, last, BLOCK_N):
+        kv_pos = start + tl.arange(0, BLOCK_N)
+        kv_ok = kv_pos < last
+        offs = _kv_tile_offsets(
+            block_tables, seq, stride_bt, kv_pos, kv_head, d, PAGE, NUM_KV_HEADS, HEAD_DIM
+        )
+        tile_ok = kv_ok[:, None] & d_ok[None, :]
+        k = tl.load(cache + offs, mask=tile_ok, other=0.0)
+        v = tl.load(cache + half + offs, mask=tile_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(kv_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    base = (seq * NUM_KV_HEADS * GROUP + head) * NUM_SPLITS + split
+    tl.store(part_m + base, m_i, mask=row_ok)
+    tl.store(part_l + base, l_i, mask=row_ok)
+    tl.store(
+        part_acc + base[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :]
+    )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_m,
+    part_l,
+    part_acc,
+    out,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    base = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    m = tl.load(part_m + base)
+    l = tl.load(part_l + base)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_max)
+    acc = tl.load(part_acc + base[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0.0)
+    total = tl.sum(l * w, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out + seq.to(tl.int64) * stride_ot + head * stride_oh + d,
+        o.to(out.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+class DecodeWorkspace:
+    """Scratch for the split partial results, sized once so CUDA graphs can reuse it."""
+
+    def __init__(self, max_seqs: int, num_heads: int, head_dim: int, num_splits: int, device):
+        self.num_splits = num_splits
+        shape = (max_seqs, num_heads, num_splits)
+        self.m = torch.empty(shape, dtype=torch.float32, device=device)
+        self.l = torch.empty(shape, dtype=torch.float32, device=device)
+        self.acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    workspace: DecodeWorkspace,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence: query [B, heads, head_dim] over the cached context.
+
+    Sequences with seq_len 0 (CUDA-graph padding) get zeros.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    splits = workspace.num_splits
+    out = torch.empty_like(query) if out is None else out
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        query,
+        kv_cache,
+        workspace.m,
+        workspace.l,
+        workspace.acc,
+        block_tables,
+        seq_lens,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        kv_cache[0].numel(),
+        GROUP=group,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        PAGE=page,
+        NUM_SPLITS=splits,
+        PRECISION=_precision(query),
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        workspace.m,
+        workspace.l,
+        workspace.acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=splits,
+    )
+    return out

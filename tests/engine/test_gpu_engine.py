@@ -1,0 +1,66 @@
+"""The GPU engine against the CPU reference engine on the tiny models (needs CUDA)."""
+
+import pytest
+import torch
+from helpers import assert_no_leaks, greedy, random_prompts, token_ids
+
+from shoal import LLM as _LLM
+from shoal import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def LLM(model: str, **options) -> _LLM:
+    """Engines share the GPU inside one test process: give each a fixed, small KV cache."""
+    if options.get("device") == "cuda" and "num_gpu_blocks" not in options:
+        options.setdefault("kv_cache_memory_bytes", 64 * 2**20)
+    return _LLM(model, **options)
+
+
+SHARED = random_prompts([40], seed=50)[0]
+PROMPTS = [SHARED + t for t in random_prompts([3, 30, 11, 70], seed=51)] + random_prompts(
+    [1, 200], seed=52
+)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("eager", [False, True])
+def test_float32_greedy_equals_cpu(model_dirs, arch, eager):
+    cpu = LLM(str(model_dirs[arch]), device="cpu", block_size=8)
+    gpu = LLM(str(model_dirs[arch]), device="cuda", block_size=8, enforce_eager=eager)
+    assert token_ids(gpu, PROMPTS, greedy(20)) == token_ids(cpu, PROMPTS, greedy(20))
+    assert_no_leaks(gpu)
+
+
+def test_chunked_prefill_prefix_cache_and_preemption_on_gpu(llama_dir):
+    cpu = LLM(str(llama_dir), device="cpu", enable_prefix_caching=False)
+    expected = token_ids(cpu, PROMPTS, greedy(24))
+    gpu = LLM(
+        str(llama_dir), device="cuda", block_size=8, num_gpu_blocks=40, max_num_batched_tokens=13
+    )
+    assert token_ids(gpu, PROMPTS, greedy(24)) == expected
+    assert gpu.engine.scheduler.num_preemptions > 0
+    assert gpu.engine.kv.stats.hits > 0
+    assert_no_leaks(gpu)
+
+
+def test_bfloat16_logprobs_close_to_float32_cpu(llama_dir):
+    cpu = LLM(str(llama_dir), device="cpu")
+    gpu = LLM(str(llama_dir), device="cuda", dtype="bfloat16")
+    params = greedy(1, prompt_logprobs=0)
+    for prompt in PROMPTS[:3]:
+        ref = cpu.generate([prompt], params)[0].prompt_logprobs[1:]
+        got = gpu.generate([prompt], params)[0].prompt_logprobs[1:]
+        diffs = [abs(a.logprobs[0] - b.logprobs[0]) for a, b in zip(ref, got, strict=True)]
+        assert max(diffs) < 0.15, max(diffs)
+
+
+def test_seeded_sampling_on_gpu_is_batch_independent(llama_dir):
+    gpu = LLM(str(llama_dir), device="cuda")
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    alone = token_ids(gpu, [PROMPTS[0]], seeded)
+    batch = token_ids(gpu, PROMPTS[:3], [seeded, greedy(16), SamplingParams(temperature=0.5)])
+    assert alone[0] == batch[0]
