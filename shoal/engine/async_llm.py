@@ -38,7 +38,7 @@ class AsyncLLM:
         self._thread.start()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream the request's outputs; leaving the iteration early aborts the request."""
+        """Stream the request's outputs; closing the stream early (aclose) aborts the request."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
@@ -102,7 +102,9 @@ class AsyncLLM:
         elif command[0] == "abort":
             _, request_id, freed = command
             self.engine.abort(request_id)
-            freed.get_loop().call_soon_threadsafe(_resolve, freed)
+            loop = freed.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_resolve, freed)
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
@@ -110,7 +112,7 @@ class AsyncLLM:
 
     def _send(self, request_id: str, item: EngineOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is not None and not stream.loop.is_closed():
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 

@@ -1,1 +1,13 @@
 """Compute kernels: Triton kernels for the GPU and their pure-torch references (the oracle)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+
+@functools.cache
+def triton_kernels(module: str) -> ModuleType:
+    """A Triton kernel module, imported on first GPU use (CPU-only installs lack triton)."""
+    return importlib.import_module(f"shoal.kernels.{module}")

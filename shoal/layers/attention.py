@@ -6,13 +6,12 @@ elsewhere the pure-torch reference.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import nn
 
+from shoal.kernels import triton_kernels
 from shoal.kernels.paged_attention_ref import paged_attention_ref, write_kv_cache_ref
 
 
@@ -28,13 +27,6 @@ class AttentionMetadata:
     query_lens_host: list[int]  # host copies, for the reference path
     seq_lens_host: list[int]
     decode_workspace: object | None = None  # DecodeWorkspace when decode batches use it
-
-
-@functools.cache
-def _triton_kernels() -> ModuleType:
-    from shoal.kernels import paged_attention
-
-    return paged_attention
 
 
 class Attention(nn.Module):
@@ -62,7 +54,7 @@ class Attention(nn.Module):
         return out.flatten(1)
 
     def _forward_triton(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        kernels = _triton_kernels()
+        kernels = triton_kernels("paged_attention")
         kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping)
         if meta.max_query_len == 1 and meta.decode_workspace is not None:
             return kernels.decode_attention(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shoal.kernels import triton_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -22,6 +24,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+        if x.is_cuda:
+            return triton_kernels("elementwise").rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

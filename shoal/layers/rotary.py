@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from shoal.kernels import triton_kernels
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies theta^(-2i/d), rescaled per the config's rope scaling."""
@@ -52,7 +54,15 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T]."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T].
+
+        On CUDA q and k are rotated in place by one fused kernel each.
+        """
+        if q.is_cuda:
+            kernels = triton_kernels("elementwise")
+            kernels.rotary_(q, self.cos, self.sin, positions)
+            kernels.rotary_(k, self.cos, self.sin, positions)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,6 +1,7 @@
 """Offline API: text in and out, stop strings, chat, request errors, aborts, async engine."""
 
 import asyncio
+import contextlib
 
 import pytest
 from helpers import assert_no_leaks, greedy, random_prompts
@@ -127,9 +128,10 @@ def test_async_engine_streams_and_aborts(llama_dir):
         request = EngineRequest(
             request_id="long", prompt_token_ids=prompts[0], sampling=greedy(500)
         )
-        async for out in engine.generate(request):
-            assert not out.finished
-            break  # leaving the stream aborts the request
+        async with contextlib.aclosing(engine.generate(request)) as stream:
+            async for out in stream:
+                assert not out.finished
+                break  # closing the stream early aborts the request
 
     async def main():
         results = await asyncio.gather(*(collect(str(i), p) for i, p in enumerate(prompts)))

@@ -1,0 +1,56 @@
+"""shoal's distributed runtime: endpoint addressing, discovery, request plane and event plane."""
+
+from shoal.runtime.addressing import EndpointAddress
+from shoal.runtime.discovery import (
+    DirectoryDiscovery,
+    Discovery,
+    EtcdDiscovery,
+    InstanceEvent,
+    MemoryDiscovery,
+    make_discovery,
+)
+from shoal.runtime.distributed import DistributedRuntime, ServedEndpoint
+from shoal.runtime.endpoint_client import EndpointClient
+from shoal.runtime.errors import (
+    BadRequestError,
+    DiscoveryError,
+    EndpointNotFoundError,
+    HandlerError,
+    NoInstancesError,
+    OverloadedError,
+    RemoteError,
+    RuntimePlaneError,
+    WorkerLostError,
+)
+from shoal.runtime.event_plane import Event, EventPublisher, EventSubscriber
+from shoal.runtime.request_client import RequestClient, ResponseStream
+from shoal.runtime.request_server import Handler, RequestServer
+
+__all__ = [
+    "BadRequestError",
+    "DirectoryDiscovery",
+    "Discovery",
+    "DiscoveryError",
+    "DistributedRuntime",
+    "EndpointAddress",
+    "EndpointClient",
+    "EndpointNotFoundError",
+    "EtcdDiscovery",
+    "Event",
+    "EventPublisher",
+    "EventSubscriber",
+    "Handler",
+    "HandlerError",
+    "InstanceEvent",
+    "MemoryDiscovery",
+    "NoInstancesError",
+    "OverloadedError",
+    "RemoteError",
+    "RequestClient",
+    "RequestServer",
+    "ResponseStream",
+    "RuntimePlaneError",
+    "ServedEndpoint",
+    "WorkerLostError",
+    "make_discovery",
+]

@@ -1,0 +1,168 @@
+"""Event plane: ZMQ PUB/SUB of msgspec messages (KV events, load reports) by topic.
+
+A message is three frames, the layout vLLM's KV-event publisher uses: the topic, a sequence
+number (8 bytes, big-endian, from 1, counted per publisher and topic), and the msgpack
+payload. Topic filtering is ZMQ's prefix match; a subscriber that sees a topic's sequence
+number jump knows it missed messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import struct
+from collections.abc import Iterable
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import msgspec
+import zmq
+
+from shoal.runtime.codec import ENCODER, decoder
+from shoal.runtime.errors import RuntimePlaneError
+from shoal.runtime.zmq_loop import LoopSocket
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SEQ = struct.Struct(">Q")
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+
+
+class Event(NamedTuple, Generic[T]):
+    topic: str
+    seq: int
+    message: T
+
+
+class _Topic:
+    __slots__ = ("name", "seq")
+
+    def __init__(self, topic: str) -> None:
+        self.name = topic.encode()
+        self.seq = 0
+
+
+class EventPublisher:
+    """Publishes messages on `tcp://host:port` (port 0 picks one); never blocks.
+
+    Subscribers that fall more than `hwm` messages behind lose messages (ZMQ PUB drops), which
+    they see as a gap in `seq`. Use from one thread.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        hwm: int = 100_000,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if host in ("0.0.0.0", "*") and advertise_host is None:
+            raise ValueError("binding every interface needs advertise_host")
+        sock = (context or zmq.Context.instance()).socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{host}:{port or '*'}")
+        bound_port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.address = f"tcp://{advertise_host or host}:{bound_port}"
+        self._sock = sock
+        self._topics: dict[str, _Topic] = {}
+
+    def publish(self, topic: str, message: Any) -> int:
+        """Send `message` (a msgspec struct) under `topic`; returns its sequence number."""
+        state = self._topics.get(topic)
+        if state is None:
+            state = self._topics[topic] = _Topic(topic)
+        state.seq += 1
+        send = self._sock.send
+        send(state.name, _SNDMORE_NOBLOCK)
+        send(_SEQ.pack(state.seq), _SNDMORE_NOBLOCK)
+        send(ENCODER.encode(message), _NOBLOCK)
+        return state.seq
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class EventSubscriber(Generic[T]):
+    """Receives `message_type` messages whose topic starts with one of `topics`.
+
+    Create it inside a running event loop; connect() it to any number of publishers. At most
+    `max_pending` received messages wait for the consumer; beyond that it stops reading and
+    the publishers' high-water marks apply.
+    """
+
+    def __init__(
+        self,
+        message_type: type[T],
+        topics: Iterable[str] = ("",),
+        *,
+        max_pending: int = 10_000,
+        context: zmq.Context | None = None,
+    ) -> None:
+        sock = (context or zmq.Context.instance()).socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        for topic in topics:
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._decode = decoder(message_type).decode
+        self._max_pending = max_pending
+        self._pending: collections.deque[list[bytes]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._sock = LoopSocket(sock, self._on_frames)
+        self._loop = asyncio.get_running_loop()
+
+    def connect(self, address: str) -> None:
+        self._sock.sock.connect(address)
+
+    def disconnect(self, address: str) -> None:
+        self._sock.sock.disconnect(address)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            log.warning("dropping event with %d frames (want topic, seq, payload)", len(frames))
+            return
+        self._pending.append(frames)
+        if len(self._pending) >= self._max_pending:
+            self._sock.pause()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def recv(self) -> Event[T]:
+        """The next message (waits for one)."""
+        while True:
+            while not self._pending:
+                if self._sock.closed:
+                    raise RuntimePlaneError("event subscriber is closed")
+                self._waiter = self._loop.create_future()
+                await self._waiter
+            topic, seq, payload = self._pending.popleft()
+            if len(self._pending) <= self._max_pending // 2:
+                self._sock.resume()
+            try:
+                return Event(topic.decode(), _SEQ.unpack(seq)[0], self._decode(payload))
+            except (msgspec.DecodeError, struct.error, UnicodeDecodeError) as exc:
+                log.warning("dropping undecodable event on topic %r: %s", topic, exc)
+
+    def __aiter__(self) -> EventSubscriber[T]:
+        return self
+
+    async def __anext__(self) -> Event[T]:
+        try:
+            return await self.recv()
+        except RuntimePlaneError:
+            if self._sock.closed:
+                raise StopAsyncIteration from None
+            raise
+
+    def close(self) -> None:
+        self._sock.close()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

@@ -1,0 +1,382 @@
+"""Request plane, client side: one ZMQ DEALER connection per worker, many streams over each.
+
+A connection is lost (every open stream fails with WorkerLostError, and the connection is
+dropped so the next request opens a fresh one) when the TCP link closes, when the worker sends
+nothing for heartbeat_timeout while streams wait on it, or when a probe after the worker's
+removal from discovery goes unanswered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from shoal.protocol import (
+    Heartbeat,
+    ServerFrame,
+    StreamCancel,
+    StreamCredit,
+    StreamData,
+    StreamEnd,
+    StreamError,
+    StreamOpen,
+)
+from shoal.runtime.codec import ENCODER, decoder
+from shoal.runtime.errors import RuntimePlaneError, WorkerLostError, remote_error
+from shoal.runtime.zmq_loop import LoopSocket
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_WINDOW = 64
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT = 4.0
+
+
+class ResponseStream(Generic[T]):
+    """The responses to one request, as an async iterator.
+
+    Ends with StopAsyncIteration when the handler finishes, or raises the stream's error
+    (after any responses that arrived before it). The stream belongs to the task that first
+    reads it: calling cancel(), leaving `async with`, dropping the stream, or the end of that
+    task (cancelled or not) before the stream's end cancels the handler on the worker.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_conn",
+        "_credit_every",
+        "_decode",
+        "_done",
+        "_error",
+        "_items",
+        "_owner",
+        "_owner_callback",
+        "_rid",
+        "_unacked",
+        "_waiter",
+        "endpoint",
+    )
+
+    def __init__(
+        self,
+        conn: _Connection,
+        rid: int,
+        endpoint: str,
+        decode: Callable[[bytes], T],
+        credit_every: int,
+    ) -> None:
+        self._conn = conn
+        self._rid = rid
+        self.endpoint = endpoint
+        self._decode = decode
+        self._credit_every = credit_every
+        self._items: collections.deque[bytes] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False
+        self._error: BaseException | None = None
+        self._unacked = 0
+        self._owner: asyncio.Task[Any] | None = None
+        self._owner_callback: Callable[[asyncio.Task[Any]], None] | None = None
+
+    def __aiter__(self) -> ResponseStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        items = self._items
+        if self._owner_callback is None and not self._done:
+            self._bind_owner()
+        while not items:
+            if self._done:
+                self._unbind_owner()
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            waiter = self._waiter = self._conn.loop.create_future()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+        payload = items.popleft()
+        if not self._done:
+            self._unacked += 1
+            if self._unacked >= self._credit_every:
+                self._conn.send_credit(self._rid, self._unacked)
+                self._unacked = 0
+        try:
+            return self._decode(payload)
+        except msgspec.DecodeError:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """Stop the stream: the worker cancels its handler; iteration ends."""
+        self._unbind_owner()
+        if self._done:
+            return
+        self._done = True
+        self._items.clear()
+        self._conn.cancel(self._rid)
+        self._wake()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> ResponseStream[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        if not self._done:
+            with contextlib.suppress(Exception):  # the loop or socket may be gone already
+                self.cancel()
+
+    def _bind_owner(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._owner = task
+            self._owner_callback = functools.partial(_cancel_stream, weakref.ref(self))
+            task.add_done_callback(self._owner_callback)
+
+    def _unbind_owner(self) -> None:
+        if self._owner is not None and self._owner_callback is not None:
+            self._owner.remove_done_callback(self._owner_callback)
+            self._owner = None
+
+    def _push(self, payload: bytes) -> None:
+        self._items.append(payload)
+        self._wake()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._done = True
+        self._error = error
+        self._unbind_owner()  # the worker is done with it: nothing left to cancel
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+def _cancel_stream(ref: weakref.ref[ResponseStream[Any]], _task: asyncio.Task[Any]) -> None:
+    stream = ref()
+    if stream is not None:
+        stream.cancel()
+
+
+class _Connection:
+    """One DEALER socket to one worker, multiplexing streams by request id."""
+
+    def __init__(self, client: RequestClient, address: str) -> None:
+        self.client = client
+        self.address = address
+        self.loop = asyncio.get_running_loop()
+        sock = client.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Memory is bounded by the credit windows of open streams, not by dropping frames.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(address)
+        self.sock = LoopSocket(sock, self._on_frames)
+        self.monitor = LoopSocket(monitor, self._on_monitor)
+        self.decode_frame = decoder(ServerFrame).decode
+        self.streams: dict[int, ResponseStream[Any]] = {}
+        self.cancelling: set[int] = set()
+        self.next_rid = 0
+        self.last_recv = time.monotonic()
+        self.waiting_since = self.last_recv
+        self.closed = False
+        self.tasks = [
+            asyncio.create_task(self._heartbeat(), name=f"request-client-heartbeat {address}")
+        ]
+
+    def open(
+        self, endpoint: str, payload: bytes, decode: Callable[[bytes], Any]
+    ) -> ResponseStream[Any]:
+        self.next_rid += 1
+        rid = self.next_rid
+        window = self.client.window
+        stream = ResponseStream(self, rid, endpoint, decode, max(1, window // 2))
+        if not self.streams:
+            self.waiting_since = time.monotonic()
+        self.streams[rid] = stream
+        self.send([ENCODER.encode(StreamOpen(rid, endpoint, window)), payload])
+        return stream
+
+    def send(self, frames: list[bytes]) -> None:
+        if not self.closed:
+            self.sock.send(frames)
+
+    def send_credit(self, rid: int, n: int) -> None:
+        self.send([ENCODER.encode(StreamCredit(rid, n))])
+
+    def cancel(self, rid: int) -> None:
+        if self.streams.pop(rid, None) is not None or rid not in self.cancelling:
+            self.cancelling.add(rid)
+            self.send([ENCODER.encode(StreamCancel(rid))])
+
+    def probe(self, within: float) -> None:
+        """Drop the connection unless the worker answers a heartbeat within `within` seconds."""
+        if not self.closed:
+            self.tasks.append(asyncio.create_task(self._probe(within)))
+
+    def lose(self, reason: str) -> None:
+        """Fail every open stream with WorkerLostError and close the connection."""
+        if self.closed:
+            return
+        log.warning("request plane: worker at %s lost: %s", self.address, reason)
+        self._finish_all(WorkerLostError(self.address, reason))
+        self.close(linger_ms=0)
+
+    def shutdown(self) -> None:
+        """Cancel every open stream on the worker and close (the client is closing)."""
+        if self.closed:
+            return
+        for rid in self.streams:
+            self.send([ENCODER.encode(StreamCancel(rid))])
+        self._finish_all(RuntimePlaneError("request client closed"))
+        self.close(linger_ms=200)
+
+    def _finish_all(self, error: BaseException) -> None:
+        streams = list(self.streams.values())
+        self.streams.clear()
+        self.cancelling.clear()
+        for stream in streams:
+            stream._finish(error)
+
+    def close(self, linger_ms: int) -> None:
+        self.closed = True
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()
+        self.sock.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close(linger_ms)
+        self.client._forget(self)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        self.last_recv = time.monotonic()
+        try:
+            frame = self.decode_frame(frames[0])
+        except msgspec.DecodeError:
+            log.warning("dropping undecodable frame from %s", self.address)
+            return
+        kind = type(frame)
+        if kind is StreamData:
+            stream = self.streams.get(frame.rid)
+            if stream is not None and len(frames) > 1:
+                stream._push(frames[1])
+            elif frame.rid not in self.cancelling:
+                self.cancel(frame.rid)  # a stream this side no longer knows: stop it
+        elif kind is StreamEnd or kind is StreamError:
+            self.cancelling.discard(frame.rid)
+            stream = self.streams.pop(frame.rid, None)
+            if stream is not None:
+                error = (
+                    None
+                    if kind is StreamEnd
+                    else remote_error(self.address, frame.code, frame.message)
+                )
+                stream._finish(error)
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+            self.lose("connection closed")
+
+    async def _heartbeat(self) -> None:
+        interval = self.client.heartbeat_interval
+        timeout = self.client.heartbeat_timeout
+        seq = 0
+        while True:
+            await asyncio.sleep(interval)
+            seq += 1
+            self.send([ENCODER.encode(Heartbeat(seq))])
+            if (
+                self.streams
+                and time.monotonic() - max(self.last_recv, self.waiting_since) > timeout
+            ):
+                self.lose(f"no reply for {timeout:.1f}s")
+                return
+
+    async def _probe(self, within: float) -> None:
+        sent_at = time.monotonic()
+        self.send([ENCODER.encode(Heartbeat(0))])
+        await asyncio.sleep(within)
+        if self.last_recv < sent_at:
+            self.lose(f"removed from discovery and silent for {within:.1f}s")
+
+
+class RequestClient:
+    """Opens streams to workers' RequestServers; one connection per worker address."""
+
+    def __init__(
+        self,
+        *,
+        window: int = DEFAULT_WINDOW,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self.window = window
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.context = context or zmq.Context.instance()
+        self._conns: dict[str, _Connection] = {}
+
+    def stream(
+        self, address: str, endpoint: str, request: Any, response_type: type[T]
+    ) -> ResponseStream[T]:
+        """Send `request` to `endpoint` on the worker at `address`; iterate the result."""
+        conn = self._conns.get(address)
+        if conn is None:
+            conn = self._conns[address] = _Connection(self, address)
+        return conn.open(endpoint, ENCODER.encode(request), decoder(response_type).decode)
+
+    def probe(self, address: str, within: float) -> None:
+        """Check the worker at `address` answers within `within` s, else fail its streams."""
+        conn = self._conns.get(address)
+        if conn is not None:
+            conn.probe(within)
+
+    @property
+    def num_connections(self) -> int:
+        """Open connections (one per worker address in use)."""
+        return len(self._conns)
+
+    def num_streams(self, address: str) -> int:
+        """Open streams to the worker at `address`."""
+        conn = self._conns.get(address)
+        return 0 if conn is None else len(conn.streams)
+
+    async def close(self) -> None:
+        """Cancel every open stream and close every connection."""
+        conns = list(self._conns.values())
+        for conn in conns:
+            conn.shutdown()
+        await asyncio.gather(*(t for c in conns for t in c.tasks), return_exceptions=True)
+
+    def _forget(self, conn: _Connection) -> None:
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]

@@ -1,0 +1,324 @@
+"""Request plane, server side: one ZMQ ROUTER socket serving any number of streaming endpoints.
+
+Each stream runs its endpoint's handler in its own task. The handler's responses go out as
+StreamData frames under a credit window (the client grants more as its consumer reads), so a
+slow consumer pauses the handler instead of growing a queue. A StreamCancel, a vanished peer
+or a shutdown cancels the handler task, which lets an engine abort and free its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from shoal.protocol import (
+    ClientFrame,
+    Heartbeat,
+    StreamCancel,
+    StreamCredit,
+    StreamData,
+    StreamEnd,
+    StreamError,
+    StreamOpen,
+)
+from shoal.runtime.addressing import EndpointAddress
+from shoal.runtime.codec import ENCODER, decoder
+from shoal.runtime.errors import SHUTDOWN_CODE
+from shoal.runtime.zmq_loop import LoopSocket
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any], AsyncIterator[Any]]
+"""An endpoint handler: takes the decoded request, yields response structs."""
+
+DEFAULT_MAX_STREAMS = 4096
+DEFAULT_PEER_TIMEOUT = 4.0
+
+
+class _Endpoint:
+    __slots__ = ("decode", "draining", "handler", "name", "streams")
+
+    def __init__(self, name: str, handler: Handler, request_type: Any) -> None:
+        self.name = name
+        self.handler = handler
+        self.decode = decoder(request_type).decode
+        self.draining = False
+        self.streams: set[_Stream] = set()
+
+
+class _Stream:
+    __slots__ = (
+        "cancel_reply",
+        "credits",
+        "data_header",
+        "endpoint",
+        "peer",
+        "rid",
+        "task",
+        "waiter",
+    )
+
+    def __init__(self, peer: bytes, rid: int, endpoint: _Endpoint, window: int) -> None:
+        self.peer = peer
+        self.rid = rid
+        self.endpoint = endpoint
+        self.credits = window
+        self.data_header = ENCODER.encode(StreamData(rid))
+        self.cancel_reply: bytes | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[bytes | None] | None = None
+
+
+def _error_frame(rid: int, code: str, message: str) -> bytes:
+    return ENCODER.encode(StreamError(rid, code, message))
+
+
+class RequestServer:
+    """Serves endpoints on `tcp://host:port` (port 0 picks a free one) to RequestClients."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if host in ("0.0.0.0", "*") and advertise_host is None:
+            raise ValueError("binding every interface needs advertise_host for discovery")
+        self._host = host
+        self._port = port
+        self._advertise_host = advertise_host or host
+        self._max_streams = max_streams
+        self._peer_timeout = peer_timeout
+        self._context = context or zmq.Context.instance()
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._peers: dict[bytes, dict[int, _Stream]] = {}
+        self._last_seen: dict[bytes, float] = {}
+        self._num_streams = 0
+        self._closing = False
+        self._sock: LoopSocket | None = None
+        self._janitor_task: asyncio.Task[None] | None = None
+        self._decode_frame = decoder(ClientFrame).decode
+        self._address = ""
+
+    @property
+    def address(self) -> str:
+        """The address clients connect to, e.g. `tcp://127.0.0.1:41234` (after start)."""
+        if not self._address:
+            raise RuntimeError("RequestServer is not started")
+        return self._address
+
+    @property
+    def num_streams(self) -> int:
+        return self._num_streams
+
+    async def start(self) -> str:
+        """Bind the socket and start serving; returns the address."""
+        if self._sock is not None:
+            return self._address
+        self._closing = False
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # Memory is bounded by credit windows and max_streams, not by dropping frames.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(f"tcp://{self._host}:{self._port or '*'}")
+        port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self._sock = LoopSocket(sock, self._on_frames)
+        self._address = f"tcp://{self._advertise_host}:{port}"
+        self._janitor_task = asyncio.create_task(self._janitor(), name="request-server-janitor")
+        return self._address
+
+    def add_endpoint(
+        self, endpoint: str | EndpointAddress, handler: Handler, request_type: Any
+    ) -> None:
+        """Serve `endpoint`: requests are decoded as `request_type` and passed to `handler`."""
+        name = str(EndpointAddress.parse(endpoint))
+        if name in self._endpoints:
+            raise ValueError(f"endpoint {name} is already served")
+        self._endpoints[name] = _Endpoint(name, handler, request_type)
+
+    async def remove_endpoint(
+        self, endpoint: str | EndpointAddress, drain_timeout: float = 0.0
+    ) -> None:
+        """Stop taking new streams on `endpoint`, let open ones finish for up to drain_timeout."""
+        name = str(EndpointAddress.parse(endpoint))
+        served = self._endpoints.get(name)
+        if served is None:
+            return
+        served.draining = True
+        await self._drain(list(served.streams), drain_timeout)
+        del self._endpoints[name]
+
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        """Refuse new streams, drain open ones for up to drain_timeout, then close."""
+        if self._sock is None:
+            return
+        self._closing = True
+        streams = [st for streams in self._peers.values() for st in streams.values()]
+        await self._drain(streams, drain_timeout)
+        if self._janitor_task is not None:
+            self._janitor_task.cancel()
+            await asyncio.gather(self._janitor_task, return_exceptions=True)
+        self._sock.close(linger_ms=500)
+        self._sock = None
+
+    async def _drain(self, streams: list[_Stream], timeout: float) -> None:
+        tasks = [st.task for st in streams if st.task is not None]
+        if not tasks:
+            return
+        if timeout > 0:
+            await asyncio.wait(tasks, timeout=timeout)
+        for st in streams:
+            if st.task is not None and not st.task.done():
+                st.cancel_reply = _error_frame(st.rid, SHUTDOWN_CODE, "worker is shutting down")
+                st.task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _send(self, frames: list[bytes]) -> bool:
+        """Queue frames for a peer; False if the peer is gone (sends never block: HWM 0)."""
+        return self._sock is not None and self._sock.send(frames)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        peer = frames[0]
+        self._last_seen[peer] = time.monotonic()
+        try:
+            frame = self._decode_frame(frames[1])
+        except msgspec.DecodeError:
+            log.warning("dropping undecodable request-plane frame from peer %r", peer)
+            return
+        kind = type(frame)
+        if kind is StreamCredit:
+            st = self._find(peer, frame.rid)
+            if st is not None:
+                st.credits += frame.n
+                waiter = st.waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+        elif kind is StreamOpen:
+            self._open(peer, frame, frames[2] if len(frames) > 2 else b"")
+        elif kind is StreamCancel:
+            st = self._find(peer, frame.rid)
+            if st is not None and st.task is not None:
+                st.cancel_reply = ENCODER.encode(StreamEnd(st.rid))
+                st.task.cancel()
+        elif kind is Heartbeat:
+            self._send([peer, frames[1]])
+
+    def _find(self, peer: bytes, rid: int) -> _Stream | None:
+        streams = self._peers.get(peer)
+        return None if streams is None else streams.get(rid)
+
+    def _open(self, peer: bytes, frame: StreamOpen, payload: bytes) -> None:
+        rid = frame.rid
+        served = self._endpoints.get(frame.endpoint)
+        streams = self._peers.get(peer)
+        if self._closing or (served is not None and served.draining):
+            error = (SHUTDOWN_CODE, "worker is shutting down")
+        elif served is None:
+            error = ("no_endpoint", f"endpoint {frame.endpoint} is not served here")
+        elif self._num_streams >= self._max_streams:
+            error = ("overloaded", f"worker already runs {self._max_streams} streams")
+        elif frame.window < 1:
+            error = ("bad_request", "credit window must be at least 1")
+        elif streams is not None and rid in streams:
+            error = ("bad_request", f"stream id {rid} is already open")
+        else:
+            try:
+                request = served.decode(payload)
+            except msgspec.DecodeError as exc:
+                error = ("bad_request", f"cannot decode request for {frame.endpoint}: {exc}")
+            else:
+                error = None
+        if error is not None:
+            self._send([peer, _error_frame(rid, *error)])
+            return
+        assert served is not None
+        st = _Stream(peer, rid, served, frame.window)
+        if streams is None:
+            streams = self._peers[peer] = {}
+        streams[rid] = st
+        served.streams.add(st)
+        self._num_streams += 1
+        st.task = asyncio.create_task(self._run(st, request))
+        st.task.add_done_callback(functools.partial(self._finished, st))
+
+    async def _run(self, st: _Stream, request: Any) -> bytes | None:
+        """Serve one stream; returns the final frame to send (None when the peer is gone)."""
+        try:
+            return await self._pump(st, request)
+        except asyncio.CancelledError:
+            return st.cancel_reply
+        except Exception as exc:
+            log.warning("handler of %s failed", st.endpoint.name, exc_info=True)
+            return _error_frame(st.rid, "handler", f"{type(exc).__name__}: {exc}")
+
+    def _finished(self, st: _Stream, task: asyncio.Task[bytes | None]) -> None:
+        # a done callback, so it also runs for a task cancelled before it started
+        self._forget(st)
+        reply = st.cancel_reply if task.cancelled() else task.result()
+        if reply is not None:
+            self._send([st.peer, reply])
+
+    async def _pump(self, st: _Stream, request: Any) -> bytes | None:
+        """Run the handler, sending each response; the final frame to send, or None."""
+        responses = st.endpoint.handler(request)
+        encode = ENCODER.encode
+        loop = asyncio.get_running_loop()
+        try:
+            async for response in responses:
+                while st.credits <= 0:
+                    st.waiter = loop.create_future()
+                    await st.waiter
+                st.credits -= 1
+                if not self._send([st.peer, st.data_header, encode(response)]):
+                    self._drop_peer(st.peer, keep=st)
+                    return None
+            return ENCODER.encode(StreamEnd(st.rid))
+        finally:
+            aclose = getattr(responses, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _forget(self, st: _Stream) -> None:
+        streams = self._peers.get(st.peer)
+        if streams is not None and streams.get(st.rid) is st:
+            del streams[st.rid]
+            if not streams:
+                del self._peers[st.peer]
+        st.endpoint.streams.discard(st)
+        self._num_streams -= 1
+
+    def _drop_peer(self, peer: bytes, keep: _Stream | None = None) -> None:
+        """Cancel every stream of a peer that is gone (except `keep`, which ends by itself)."""
+        for st in list(self._peers.get(peer, {}).values()):
+            if st is not keep and st.task is not None:
+                st.cancel_reply = None
+                st.task.cancel()
+
+    async def _janitor(self) -> None:
+        """Cancel the streams of peers silent for longer than peer_timeout."""
+        while True:
+            await asyncio.sleep(self._peer_timeout / 4)
+            deadline = time.monotonic() - self._peer_timeout
+            for peer in [p for p, seen in self._last_seen.items() if seen < deadline]:
+                del self._last_seen[peer]
+                if peer in self._peers:
+                    log.warning(
+                        "client %r silent for %.1fs: cancelling its streams",
+                        peer,
+                        self._peer_timeout,
+                    )
+                    self._drop_peer(peer)

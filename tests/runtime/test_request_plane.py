@@ -1,0 +1,402 @@
+"""Request plane: streaming, concurrency, cancellation, backpressure, typed errors, dead peers."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from runtime_helpers import reap, run, spawn, wait_until
+
+from shoal.protocol import (
+    EngineOutput,
+    EngineRequest,
+    LoadReport,
+    SamplingParams,
+    ServerFrame,
+    StreamData,
+    StreamEnd,
+    StreamOpen,
+)
+from shoal.runtime import (
+    BadRequestError,
+    EndpointNotFoundError,
+    HandlerError,
+    OverloadedError,
+    RequestClient,
+    RequestServer,
+    WorkerLostError,
+)
+
+ENDPOINT = "test.worker.generate"
+
+
+def request(rid: str = "r", max_tokens: int = 10) -> EngineRequest:
+    return EngineRequest(
+        request_id=rid, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=max_tokens)
+    )
+
+
+async def count_up(req: EngineRequest) -> AsyncIterator[EngineOutput]:
+    """Yields one output per token, the last one finished."""
+    n = req.sampling.max_tokens or 1
+    for i in range(n):
+        yield EngineOutput(
+            request_id=req.request_id,
+            new_token_ids=[i],
+            finish_reason="length" if i == n - 1 else None,
+        )
+
+
+async def serving(handler=count_up, **kwargs) -> RequestServer:
+    server = RequestServer(**kwargs)
+    await server.start()
+    server.add_endpoint(ENDPOINT, handler, EngineRequest)
+    return server
+
+
+class Recorder:
+    """A handler that yields `first` outputs, then waits forever; records how it ended."""
+
+    def __init__(self, first: int = 1) -> None:
+        self.first = first
+        self.started = 0
+        self.cancelled = 0
+        self.closed = 0
+        self.cleaned = 0
+        self.running = 0
+        self.max_running = 0
+        self.release = asyncio.Event()
+
+    async def __call__(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self.started += 1
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            for i in range(self.first):
+                yield EngineOutput(request_id=req.request_id, new_token_ids=[i])
+            await self.release.wait()
+            yield EngineOutput(request_id=req.request_id, finish_reason="stop")
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        except GeneratorExit:
+            self.closed += 1
+            raise
+        finally:
+            self.running -= 1
+            self.cleaned += 1
+
+
+def test_streams_many_responses_in_order() -> None:
+    async def main() -> None:
+        server = await serving()
+        client = RequestClient()
+        outs = [
+            o
+            async for o in client.stream(server.address, ENDPOINT, request("a", 5000), EngineOutput)
+        ]
+        assert [o.new_token_ids[0] for o in outs] == list(range(5000))
+        assert all(o.request_id == "a" for o in outs)
+        assert outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+        assert server.num_streams == 0
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_200_concurrent_streams_share_one_connection() -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+        live = {"now": 0, "max": 0}
+
+        async def gated(req: EngineRequest) -> AsyncIterator[EngineOutput]:
+            live["now"] += 1
+            live["max"] = max(live["max"], live["now"])
+            try:
+                await gate.wait()
+                async for out in count_up(req):
+                    yield out
+            finally:
+                live["now"] -= 1
+
+        server = await serving(gated)
+        client = RequestClient()
+
+        async def one(i: int) -> list[EngineOutput]:
+            stream = client.stream(server.address, ENDPOINT, request(f"r{i}", 50 + i), EngineOutput)
+            return [o async for o in stream]
+
+        tasks = [asyncio.create_task(one(i)) for i in range(200)]
+        await wait_until(lambda: live["now"] == 200, timeout=10)
+        gate.set()
+        results = await asyncio.gather(*tasks)
+        assert live["max"] == 200  # every handler was open at once
+        for i, outs in enumerate(results):
+            assert [o.request_id for o in outs] == [f"r{i}"] * (50 + i)
+            assert [o.new_token_ids[0] for o in outs] == list(range(50 + i))
+        assert client.num_connections == 1
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("how", ["cancel", "task_cancel", "break", "async_with"])
+def test_cancellation_reaches_the_handler(how: str) -> None:
+    async def main() -> None:
+        recorder = Recorder(first=1)
+        server = await serving(recorder)
+        client = RequestClient()
+
+        async def consume() -> None:
+            if how == "async_with":
+                async with client.stream(server.address, ENDPOINT, request(), EngineOutput) as s:
+                    await anext(s)
+                return
+            stream = client.stream(server.address, ENDPOINT, request(), EngineOutput)
+            async for _ in stream:
+                if how == "cancel":
+                    stream.cancel()
+                elif how == "break":
+                    break
+                else:
+                    await asyncio.Event().wait()  # until this task is cancelled
+
+        task = asyncio.create_task(consume())
+        await wait_until(lambda: recorder.started == 1, timeout=5)
+        if how == "task_cancel":
+            await asyncio.sleep(0.05)
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_until(lambda: recorder.cleaned == 1, timeout=2)
+        assert recorder.cancelled == 1  # the handler saw CancelledError where it waited
+        assert server.num_streams == 0
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_backpressure_pauses_the_handler_and_cancel_closes_it() -> None:
+    async def main() -> None:
+        produced = 0
+        closed = asyncio.Event()
+
+        async def endless(req: EngineRequest) -> AsyncIterator[EngineOutput]:
+            nonlocal produced
+            try:
+                while True:
+                    produced += 1
+                    yield EngineOutput(request_id=req.request_id, new_token_ids=[produced])
+            finally:
+                closed.set()
+
+        server = await serving(endless)
+        client = RequestClient(window=8)
+        stream = client.stream(server.address, ENDPOINT, request(), EngineOutput)
+        first = await anext(stream)
+        await asyncio.sleep(0.3)  # a consumer that stopped reading
+        assert produced <= 8 + 1  # the window, plus the response the handler waits to send
+        consumed = 1
+        async for out in stream:
+            consumed += 1
+            assert out.new_token_ids[0] == consumed
+            if consumed == 100:
+                break
+        await asyncio.sleep(0.1)
+        assert produced <= consumed + 8 + 1
+        assert first.new_token_ids == [1]
+        stream.cancel()
+        await asyncio.wait_for(closed.wait(), 2)  # GeneratorExit ran the handler's cleanup
+        await wait_until(lambda: server.num_streams == 0, timeout=2)
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_typed_errors_from_the_worker() -> None:
+    async def main() -> None:
+        async def failing(req: EngineRequest) -> AsyncIterator[EngineOutput]:
+            yield EngineOutput(request_id=req.request_id, new_token_ids=[7])
+            raise ValueError("engine exploded")
+
+        server = await serving(failing, max_streams=2)
+        recorder = Recorder(first=0)
+        server.add_endpoint("test.worker.hold", recorder, EngineRequest)
+        server.add_endpoint("test.worker.count", count_up, EngineRequest)
+        client = RequestClient()
+        outs = []
+        with pytest.raises(HandlerError, match="ValueError: engine exploded"):
+            async for out in client.stream(server.address, ENDPOINT, request(), EngineOutput):
+                outs.append(out)
+        assert [o.new_token_ids for o in outs] == [[7]]  # what came before the error arrives
+
+        with pytest.raises(EndpointNotFoundError):
+            await anext(client.stream(server.address, "test.worker.nope", request(), EngineOutput))
+
+        report = LoadReport(
+            worker_id="w", num_running=1, num_waiting=0, active_blocks=1, total_blocks=2
+        )
+        with pytest.raises(BadRequestError, match="cannot decode"):
+            await anext(client.stream(server.address, ENDPOINT, report, EngineOutput))
+
+        holds = [
+            client.stream(server.address, "test.worker.hold", request(), EngineOutput)
+            for _ in range(2)
+        ]
+        await wait_until(lambda: recorder.started == 2, timeout=5)
+        with pytest.raises(OverloadedError):
+            await anext(client.stream(server.address, ENDPOINT, request(), EngineOutput))
+        for hold in holds:
+            hold.cancel()
+        await wait_until(lambda: server.num_streams == 0, timeout=2)
+        counted = client.stream(
+            server.address, "test.worker.count", request(max_tokens=2), EngineOutput
+        )
+        assert [o.new_token_ids async for o in counted] == [[0], [1]]  # capacity is back
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_wire_frames_are_msgspec_and_never_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_pickle(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pickle used on the request plane")
+
+    for name in ("dumps", "loads", "dump", "load"):
+        monkeypatch.setattr(pickle, name, no_pickle)
+
+    async def main() -> None:
+        server = await serving()
+        # a bare DEALER that speaks the protocol with msgspec alone
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.connect(server.address)
+        encoder = msgspec.msgpack.Encoder()
+        await raw.send_multipart(
+            [encoder.encode(StreamOpen(1, ENDPOINT, 64)), encoder.encode(request("raw", 5))]
+        )
+        frames_dec = msgspec.msgpack.Decoder(ServerFrame)
+        output_dec = msgspec.msgpack.Decoder(EngineOutput)
+        outs = []
+        while True:
+            frames = await asyncio.wait_for(raw.recv_multipart(), 5)
+            header = frames_dec.decode(frames[0])
+            if isinstance(header, StreamEnd):
+                assert header.rid == 1 and len(frames) == 1
+                break
+            assert isinstance(header, StreamData) and header.rid == 1 and len(frames) == 2
+            outs.append(output_dec.decode(frames[1]))
+        assert [o.new_token_ids[0] for o in outs] == [0, 1, 2, 3, 4]
+        raw.close(linger=0)
+
+        client = RequestClient()
+        outs = [o async for o in client.stream(server.address, ENDPOINT, request(), EngineOutput)]
+        assert len(outs) == 10
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_worker_killed_mid_stream_raises_worker_lost_promptly() -> None:
+    async def main() -> None:
+        proc, info = await spawn("serve", "memory://", ENDPOINT, "10", "0.01")
+        client = RequestClient()
+        try:
+            stream = client.stream(info["address"], ENDPOINT, request("k", 100_000), EngineOutput)
+            tokens = [(await anext(stream)).new_token_ids[0] for _ in range(5)]
+            proc.kill()
+            killed = time.monotonic()
+            with pytest.raises(WorkerLostError) as caught:
+                async for out in stream:
+                    tokens.append(out.new_token_ids[0])
+            elapsed = time.monotonic() - killed
+            assert elapsed < 1.0, f"took {elapsed:.2f}s to notice the dead worker"
+            assert caught.value.address == info["address"]
+            assert tokens == list(range(len(tokens)))  # everything received before the error
+            assert client.num_connections == 0  # the dead connection was dropped
+        finally:
+            await reap(proc)
+            await client.close()
+
+    run(main())
+
+
+def test_hung_worker_fails_streams_after_heartbeat_timeout() -> None:
+    async def main() -> None:
+        proc, info = await spawn("serve", "memory://", ENDPOINT, "10", "0.01")
+        client = RequestClient(heartbeat_interval=0.1, heartbeat_timeout=0.6)
+        try:
+            stream = client.stream(info["address"], ENDPOINT, request("h", 100_000), EngineOutput)
+            await anext(stream)
+            proc.send_signal(signal.SIGSTOP)  # alive, connected, but silent
+            stopped = time.monotonic()
+            with pytest.raises(WorkerLostError, match="no reply"):
+                async for _ in stream:
+                    pass
+            elapsed = time.monotonic() - stopped
+            assert 0.5 < elapsed < 2.0, elapsed
+        finally:
+            await reap(proc)
+            await client.close()
+
+    run(main())
+
+
+def test_server_cancels_the_handler_of_a_killed_client() -> None:
+    async def main() -> None:
+        recorder = Recorder(first=1)
+        server = await serving(recorder, peer_timeout=0.5)
+        proc, _ = await spawn("client", server.address, ENDPOINT)
+        try:
+            assert recorder.started == 1 and recorder.running == 1
+            proc.kill()
+            await wait_until(lambda: recorder.cleaned == 1, timeout=3)
+            assert recorder.cancelled == 1
+            assert server.num_streams == 0
+        finally:
+            await reap(proc)
+            await server.stop()
+
+    run(main())
+
+
+def test_drain_finishes_open_streams_and_refuses_new_ones() -> None:
+    async def main() -> None:
+        async def slow(req: EngineRequest) -> AsyncIterator[EngineOutput]:
+            async for out in count_up(req):
+                await asyncio.sleep(0.01)
+                yield out
+
+        server = await serving(slow)
+        client = RequestClient()
+        stream = client.stream(server.address, ENDPOINT, request("d", 30), EngineOutput)
+        await anext(stream)
+        drain = asyncio.create_task(server.remove_endpoint(ENDPOINT, drain_timeout=5))
+        await asyncio.sleep(0.02)
+        with pytest.raises(WorkerLostError, match="shutting down"):
+            await anext(client.stream(server.address, ENDPOINT, request(), EngineOutput))
+        rest = [o async for o in stream]
+        assert len(rest) == 29 and rest[-1].finished
+        await drain
+
+        # stop() without a drain ends open streams with WorkerLostError, so they can move
+        server.add_endpoint(ENDPOINT, Recorder(first=1), EngineRequest)
+        stream = client.stream(server.address, ENDPOINT, request(), EngineOutput)
+        await anext(stream)
+        await server.stop()
+        with pytest.raises(WorkerLostError):
+            await anext(stream)
+        await client.close()
+
+    run(main())
