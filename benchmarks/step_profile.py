@@ -37,7 +37,10 @@ def main() -> None:
         engine.add_request(
             EngineRequest(request_id=str(i), prompt_token_ids=prompt(rng, 128, vocab), sampling=sp)
         )
-    engine.step()  # prefill
+    while any(
+        r.num_output_tokens == 0 for r in engine.scheduler.running + list(engine.scheduler.waiting)
+    ):
+        engine.step()  # prefill
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     phases: dict[str, list[float]] = {
         k: [] for k in ("schedule", "prepare", "forward", "logits+sample", "update", "total")
