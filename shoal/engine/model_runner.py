@@ -104,7 +104,7 @@ class ModelRunner:
 
             max_blocks = -(-max_model_len // self.block_size)
             self.decode_workspace = DecodeWorkspace(
-                max_num_seqs, cfg.num_heads, cfg.head_dim, num_splits=16, device=device
+                max_num_seqs, cfg.num_heads, cfg.head_dim, max_splits=16, device=device
             )
             if not enforce_eager:
                 self.graphs = DecodeGraphs(

@@ -325,12 +325,24 @@ def _decode_merge_kernel(
 class DecodeWorkspace:
     """Scratch for the split partial results, sized once so CUDA graphs can reuse it."""
 
-    def __init__(self, max_seqs: int, num_heads: int, head_dim: int, num_splits: int, device):
-        self.num_splits = num_splits
-        shape = (max_seqs, num_heads, num_splits)
+    def __init__(self, max_seqs: int, num_heads: int, head_dim: int, max_splits: int, device):
+        self.max_splits = max_splits
+        device = torch.device(device)
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 1
+        )
+        shape = (max_seqs, num_heads, max_splits)
         self.m = torch.empty(shape, dtype=torch.float32, device=device)
         self.l = torch.empty(shape, dtype=torch.float32, device=device)
         self.acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+
+
+def decode_splits(num_programs: int, num_sms: int, max_splits: int) -> int:
+    """Splits per sequence so that about two programs run per SM (a power of two)."""
+    wanted = triton.cdiv(2 * num_sms, num_programs)
+    return min(max_splits, triton.next_power_of_2(wanted))
 
 
 def decode_attention(
@@ -349,7 +361,7 @@ def decode_attention(
     batch, num_heads, head_dim = query.shape
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    splits = workspace.num_splits
+    splits = decode_splits(batch * num_kv_heads, workspace.num_sms, workspace.max_splits)
     out = torch.empty_like(query) if out is None else out
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, splits)](

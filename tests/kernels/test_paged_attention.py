@@ -94,6 +94,7 @@ def test_decode_attention_matches_reference(seq_lens, heads, kv, dim, page, spli
     tables = torch.cat([tables, tables[:1]])
     q = torch.cat([q, q[:1]])
     ws = DecodeWorkspace(len(lens), heads, dim, splits, DEVICE)
+    ws.num_sms = splits * len(lens) * kv  # so that the kernel uses all `splits` splits
     out = torch.full_like(q, float("nan"))
     decode_attention(q, cache, tables, lens, dim**-0.5, ws, out=out)
     n = len(seq_lens)
