@@ -101,6 +101,7 @@ class LLMEngine:
         """GPU bytes left for the KV cache: the utilization share minus weights, the peak
         activations of a full-budget step, and memory used outside this process's torch."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.reset_peak_memory_stats(self.device)
         run_profile_step(model, self.model_config, tokens, self.config.block_size, self.device)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

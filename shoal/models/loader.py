@@ -56,8 +56,13 @@ def load_model(
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
-    with torch.device(torch.device(device)):
-        model = model_class(cfg)(cfg).to(cfg.dtype)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.dtype)  # build in the target dtype: no float32 copy first
+    try:
+        with torch.device(torch.device(device)):
+            model = model_class(cfg)(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
         init_random_weights(model)
     else:
