@@ -7,7 +7,13 @@ import importlib
 import sys
 
 # subcommand modules, each exposing register(subparsers) that sets args.func
-SUBCOMMANDS = ["shoal.engine.cli", "shoal.worker.cli", "shoal.bench.cli"]
+SUBCOMMANDS = [
+    "shoal.serve",
+    "shoal.frontend.cli",
+    "shoal.worker.cli",
+    "shoal.engine.cli",
+    "shoal.bench.cli",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -131,7 +131,7 @@ class LLMEngine:
         max_tokens = (
             sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(prompt)
         )
-        eos = frozenset(request.eos_token_ids) or self.eos_token_ids
+        eos = frozenset(request.eos_token_ids) | self.eos_token_ids
         key = extra_key(request.lora_id)
         seqs: list[Request] = []
         for i in range(sp.n):

@@ -1,0 +1,144 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error the API reports to the client; raised anywhere below a route."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> Response:
+        return Response(
+            msgspec.json.encode(self.body()),
+            status_code=self.status,
+            media_type="application/json",
+        )
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+    )
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Incorrect or missing API key", code="invalid_api_key")
+
+
+def too_many_requests(limit: int) -> APIError:
+    return APIError(
+        429,
+        f"The server is at its limit of {limit} concurrent requests; retry later",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+    )
+
+
+def no_worker(model: str) -> APIError:
+    return APIError(
+        503,
+        f"No worker is serving the model '{model}' right now",
+        type="service_unavailable_error",
+        code="no_worker_available",
+    )
+
+
+def worker_failed(message: str) -> APIError:
+    return APIError(502, f"The worker failed: {message}", type="server_error", code="worker_failed")
+
+
+def internal_error() -> APIError:
+    return APIError(500, "Internal server error", type="server_error", code="internal_error")
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _param(loc: tuple) -> str | None:
+    """Dotted field path of a pydantic error location ('messages.0.role').
+
+    The leading 'body' goes, and so does everything from the first union-member tag on
+    (pydantic writes e.g. ('body', 'prompt', 'list[str]', 0) for a union field).
+    """
+    parts = []
+    for p in loc[1:] if loc[:1] == ("body",) else loc:
+        if isinstance(p, str) and (not p.isidentifier() or p in _TYPE_TAGS):
+            break
+        parts.append(str(p))
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first validation problem as a 400 naming its field."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("Invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return bad_request(f"Invalid JSON body: {detail}".rstrip(": "))
+    param = _param(tuple(first.get("loc", ())))
+    message = first.get("msg", "Invalid value")
+    return bad_request(f"{param or 'request body'}: {message}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the app in OpenAI's JSON shape (validation errors as 400, not 422)."""
+
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return validation_error(exc).response()
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return internal_error().response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

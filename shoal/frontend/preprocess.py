@@ -1,0 +1,193 @@
+"""From a validated OpenAI request to token ids and SamplingParams, or a 400 naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import jinja2
+
+from shoal.frontend.errors import bad_request
+from shoal.frontend.protocol_openai import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from shoal.frontend.tokenizer_pool import ModelTokenizer
+from shoal.protocol import SamplingParams
+
+T = TypeVar("T")
+
+# Texts longer than this (characters) are tokenized in a thread, so a huge prompt does not
+# hold up every other request's tokens on the event loop.
+LARGE_TEXT = 16_384
+
+
+async def _cpu(size: int, fn: Callable[..., T], *args) -> T:
+    if size > LARGE_TEXT:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # the prompt as text, when it came as text (echo uses it)
+
+
+def _content_text(message: ChatMessage, position: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"content parts of type {part.type!r} are not supported; send text",
+                param=f"messages.{position}.content",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _template_messages(body: ChatCompletionRequest) -> list[dict]:
+    messages = []
+    for i, message in enumerate(body.messages):
+        entry = message.model_dump(exclude_none=True)
+        entry["content"] = _content_text(message, i)
+        messages.append(entry)
+    return messages
+
+
+def _render_chat(tok: ModelTokenizer, body: ChatCompletionRequest, messages: list[dict]) -> str:
+    extra = {
+        k: v
+        for k, v in (body.chat_template_kwargs or {}).items()
+        if k not in ("messages", "add_generation_prompt", "bos_token", "eos_token")
+    }
+    try:
+        text = tok.text.apply_chat_template(messages, body.add_generation_prompt, **extra)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise bad_request(f"Cannot apply the chat template: {e}", param="messages") from e
+    if body.continue_final_message:
+        # End the prompt inside the last message, so the model continues it.
+        final = messages[-1]["content"]
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise bad_request(
+                "the chat template does not render the final message's content verbatim",
+                param="continue_final_message",
+            )
+        text = text[: at + len(final)]
+    return text
+
+
+async def chat_prompt(tok: ModelTokenizer, body: ChatCompletionRequest) -> Prompt:
+    """The rendered conversation's token ids (the template carries the special tokens)."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true; "
+            "set add_generation_prompt to false",
+            param="continue_final_message",
+        )
+    messages = _template_messages(body)
+    size = sum(len(m["content"]) for m in messages)
+    text = await _cpu(size, _render_chat, tok, body, messages)
+    token_ids = await _cpu(size, tok.text.encode, text, False)
+    return Prompt(token_ids, text)
+
+
+async def completion_prompts(tok: ModelTokenizer, body: CompletionRequest) -> list[Prompt]:
+    """One Prompt per entry of `prompt` (strings are tokenized, token lists taken as they are)."""
+    prompts = []
+    for item in body.prompt:
+        if isinstance(item, str):
+            ids = await _cpu(len(item), tok.text.encode, item, body.add_special_tokens)
+            if not ids:
+                raise bad_request("prompt encodes to no tokens", param="prompt")
+            prompts.append(Prompt(ids, item))
+        else:
+            text = tok.text.decode(item, body.skip_special_tokens) if body.echo else None
+            prompts.append(Prompt(list(item), text))
+    return prompts
+
+
+def max_tokens_for(requested: int | None, prompt_len: int, context: int, param: str) -> int:
+    """max_tokens after checking prompt + max_tokens against the model's context length."""
+    if prompt_len >= context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens, and the prompt has "
+            f"{prompt_len} tokens; shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return context - prompt_len
+    if prompt_len + requested > context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens; the request asks for "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+            "completion). Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def check_common(body: SamplingFields) -> None:
+    """Reject combinations and OpenAI features shoal does not serve, naming the field."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+
+
+def check_chat(body: ChatCompletionRequest) -> None:
+    check_common(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+
+def check_completion(body: CompletionRequest) -> None:
+    check_common(body)
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+
+
+def sampling_params(
+    body: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """The request's SamplingParams; a value the engine cannot honour is a 400 naming it."""
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=list(body.stop),
+            stop_token_ids=list(body.stop_token_ids),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as e:
+        message = str(e)
+        raise bad_request(message, param=message.split(" ", 1)[0]) from e

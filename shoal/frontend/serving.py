@@ -1,0 +1,156 @@
+"""The OpenAI routes' work: resolve the model, preprocess, run the engines, answer."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import msgspec
+from fastapi import Request
+from starlette.responses import Response
+
+from shoal.frontend import preprocess
+from shoal.frontend.disconnect import ClientGone, until_disconnected
+from shoal.frontend.engine_client import EngineClient, NoWorkerAvailable, WorkerFailed
+from shoal.frontend.errors import bad_request, model_not_found, no_worker, worker_failed
+from shoal.frontend.generation import RequestRun
+from shoal.frontend.metrics import FrontendMetrics
+from shoal.frontend.protocol_openai import ChatCompletionRequest, CompletionRequest
+from shoal.frontend.responses import chat_response, completion_response
+from shoal.frontend.streaming import SSEResponse, chat_events, completion_events
+from shoal.frontend.tokenizer_pool import ModelTokenizer, TokenizerPool
+from shoal.protocol import ModelCard
+
+T = TypeVar("T")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+
+
+def json_response(payload: dict, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json")
+
+
+@contextmanager
+def engine_errors(model: str) -> Iterator[None]:
+    """The EngineClient's errors as API errors (503, 502, 400)."""
+    try:
+        yield
+    except NoWorkerAvailable:
+        raise no_worker(model) from None
+    except WorkerFailed as e:
+        raise worker_failed(e.message) from None
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, metrics: FrontendMetrics) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.tokenizers = TokenizerPool()
+        self.started = int(time.time())
+
+    async def _model(self, name: str, request: Request) -> tuple[ModelCard, ModelTokenizer]:
+        card = self.client.models().get(name)
+        if card is None:
+            raise model_not_found(name)
+        request.state.model = name
+        return card, await self.tokenizers.get(card.tokenizer)
+
+    async def _guarded(self, request: Request, model: str, work: Awaitable[T]) -> T:
+        """Await engine work, mapping its errors, cancelled if the client disconnects."""
+        with engine_errors(model):
+            return await until_disconnected(request.receive, work)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        card, tok = await self._model(body.model, request)
+        preprocess.check_chat(body)
+        prompt = await preprocess.chat_prompt(tok, body)
+        max_tokens = preprocess.max_tokens_for(
+            body.max_completion_tokens or body.max_tokens,
+            len(prompt.token_ids),
+            card.context_length,
+            param="messages",
+        )
+        num_top = body.top_logprobs or 0
+        params = preprocess.sampling_params(
+            body, max_tokens=max_tokens, logprobs=num_top if body.logprobs else None
+        )
+        run = RequestRun(
+            self.client,
+            body.model,
+            f"chatcmpl-{uuid.uuid4().hex}",
+            [prompt.token_ids],
+            params,
+            tok,
+            self.metrics.for_model(body.model),
+            arrival,
+        )
+        try:
+            if body.stream:
+                await self._guarded(request, body.model, run.open())
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                events = chat_events(run, tok, body.logprobs, include_usage)
+                return SSEResponse(events, on_close=run.close)
+            whole = chat_response(run, tok, body.logprobs)
+            payload = await self._guarded(request, body.model, whole)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return json_response(payload)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        card, tok = await self._model(body.model, request)
+        preprocess.check_completion(body)
+        prompts = await preprocess.completion_prompts(tok, body)
+        longest = max(len(p.token_ids) for p in prompts)
+        max_tokens = preprocess.max_tokens_for(
+            body.max_tokens, longest, card.context_length, param="prompt"
+        )
+        params = preprocess.sampling_params(
+            body,
+            max_tokens=max_tokens,
+            logprobs=body.logprobs,
+            prompt_logprobs=body.logprobs if body.echo else None,
+        )
+        echo = [p.text or "" for p in prompts] if body.echo else None
+        run = RequestRun(
+            self.client,
+            body.model,
+            f"cmpl-{uuid.uuid4().hex}",
+            [p.token_ids for p in prompts],
+            params,
+            tok,
+            self.metrics.for_model(body.model),
+            arrival,
+        )
+        try:
+            if body.stream:
+                await self._guarded(request, body.model, run.open())
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                events = completion_events(run, tok, body.logprobs, echo, include_usage)
+                return SSEResponse(events, on_close=run.close)
+            whole = completion_response(run, tok, body.logprobs, echo)
+            payload = await self._guarded(request, body.model, whole)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return json_response(payload)
+
+    def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": self.started,
+                    "owned_by": "shoal",
+                    "max_model_len": card.context_length,
+                }
+                for name, card in self.client.models().items()
+            ],
+        }

@@ -1,0 +1,193 @@
+"""Server-sent events: the chat and completions chunk streams and the response that sends them.
+
+Chunks are plain dicts encoded by msgspec; nothing per token goes through pydantic.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+
+import msgspec
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from shoal.frontend.disconnect import ClientGone, until_disconnected
+from shoal.frontend.engine_client import WorkerFailed
+from shoal.frontend.errors import internal_error, worker_failed
+from shoal.frontend.generation import RequestRun
+from shoal.frontend.logprobs import (
+    CompletionLogprobs,
+    chat_logprobs,
+    empty_completion_logprobs,
+)
+from shoal.frontend.tokenizer_pool import ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+def event(payload: dict) -> bytes:
+    return b"data: " + _encode(payload) + b"\n\n"
+
+
+def _failure(e: Exception) -> bytes:
+    """The SSE error event for a failure after the response started."""
+    if isinstance(e, WorkerFailed):
+        return event(worker_failed(e.message).body())
+    log.exception("stream failed", exc_info=e)
+    return event(internal_error().body())
+
+
+class _Chunks:
+    """Encodes one stream's chunks: the fixed fields, and `usage: null` when usage comes last."""
+
+    __slots__ = ("include_usage", "kind", "run")
+
+    def __init__(self, run: RequestRun, kind: str, include_usage: bool) -> None:
+        self.run = run
+        self.kind = kind
+        self.include_usage = include_usage
+
+    def choices(self, choices: list[dict]) -> bytes:
+        payload = {
+            "id": self.run.id,
+            "object": self.kind,
+            "created": self.run.created,
+            "model": self.run.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            payload["usage"] = None
+        return event(payload)
+
+    def usage(self) -> bytes:
+        return event(
+            {
+                "id": self.run.id,
+                "object": self.kind,
+                "created": self.run.created,
+                "model": self.run.model,
+                "choices": [],
+                "usage": self.run.usage(),
+            }
+        )
+
+
+async def chat_events(
+    run: RequestRun, tok: ModelTokenizer, logprobs: bool, include_usage: bool
+) -> AsyncGenerator[bytes, None]:
+    """chat.completion.chunk events: a role delta per choice, content deltas, finish, usage."""
+    chunks = _Chunks(run, "chat.completion.chunk", include_usage)
+    try:
+        for choice in run.choices:
+            role = {"role": "assistant", "content": ""}
+            yield chunks.choices(
+                [{"index": choice.index, "delta": role, "logprobs": None, "finish_reason": None}]
+            )
+        async with aclosing(run.updates()) as updates:
+            async for choice, text, out in updates:
+                entries = (
+                    chat_logprobs(tok, out.new_logprobs) if logprobs and out.new_logprobs else None
+                )
+                if not text and entries is None and choice.finish_reason is None:
+                    continue  # text held back (a possible stop string, half a character)
+                body = {
+                    "index": choice.index,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": None if entries is None else {"content": entries},
+                    "finish_reason": choice.finish_reason,
+                }
+                if choice.finish_reason is not None:
+                    body["stop_reason"] = choice.stop_reason
+                yield chunks.choices([body])
+        if include_usage:
+            yield chunks.usage()
+    except Exception as e:
+        yield _failure(e)
+    yield DONE
+
+
+async def completion_events(
+    run: RequestRun,
+    tok: ModelTokenizer,
+    logprobs: int | None,
+    echo: list[str] | None,
+    include_usage: bool,
+) -> AsyncGenerator[bytes, None]:
+    """text_completion events; with echo, a choice's first event starts with its prompt."""
+    chunks = _Chunks(run, "text_completion", include_usage)
+    trackers = [CompletionLogprobs(tok) for _ in run.choices] if logprobs is not None else None
+    started = [False] * len(run.choices)
+    try:
+        async with aclosing(run.updates()) as updates:
+            async for choice, text, out in updates:
+                i = choice.index
+                lp = None
+                if not started[i]:
+                    started[i] = True
+                    if echo is not None:
+                        text = echo[i // run.n] + text
+                        if trackers is not None:
+                            lp = _prompt_logprobs(run, trackers[i], i // run.n)
+                if trackers is not None and out.new_logprobs:
+                    lp = trackers[i].add(
+                        out.new_token_ids, out.new_logprobs, lp or empty_completion_logprobs()
+                    )
+                if not text and lp is None and choice.finish_reason is None:
+                    continue
+                body = {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
+                if choice.finish_reason is not None:
+                    body["finish_reason"] = choice.finish_reason
+                    body["stop_reason"] = choice.stop_reason
+                yield chunks.choices([body])
+        if include_usage:
+            yield chunks.usage()
+    except Exception as e:
+        yield _failure(e)
+    yield DONE
+
+
+def _prompt_logprobs(run: RequestRun, tracker: CompletionLogprobs, prompt: int) -> dict:
+    """The echoed prompt's logprobs (the first token has none)."""
+    token_ids = run.prompts[prompt]
+    logprobs = run.prompt_logprobs[prompt] or [None] * len(token_ids)
+    return tracker.add(token_ids, logprobs, empty_completion_logprobs())
+
+
+class SSEResponse(StreamingResponse):
+    """Streams events until they end or the client disconnects; either way it then closes
+    the events and calls `on_close` (which closes the engine streams: an abort if running)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnected(receive, stream())
+        except (ClientGone, OSError):
+            pass
+        finally:
+            await self.events.aclose()
+            await self.on_close()

@@ -1,0 +1,1 @@
+"""The worker process: an engine behind the request plane, registered in discovery."""

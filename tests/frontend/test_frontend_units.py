@@ -1,0 +1,96 @@
+"""Pieces of the frontend without HTTP: layering, token bytes, EOS ids, stream merging."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import shoal.frontend
+from shoal.frontend.engine_client import WorkerFailed
+from shoal.frontend.generation import merge
+from shoal.frontend.tokenizer_pool import ModelTokenizer, TokenizerPool
+from shoal.protocol import EngineOutput
+
+FORBIDDEN = (
+    "torch",
+    "shoal.engine",
+    "shoal.worker",
+    "shoal.models",
+    "shoal.layers",
+    "shoal.kernels",
+)
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_frontend_imports_no_engine_or_torch():
+    files = sorted(Path(shoal.frontend.__file__).parent.glob("*.py"))
+    assert files
+    for file in files:
+        bad = [m for m in imported_modules(file) if m.startswith(FORBIDDEN)]
+        assert not bad, f"{file.name} imports {bad}"
+
+
+def test_token_pieces_give_exact_bytes(llama_dir):
+    tok = ModelTokenizer(str(llama_dir))
+    text = "鱼群 swim together\n"
+    ids = tok.text.encode(text, add_special_tokens=False)
+    assert b"".join(bytes(tok.piece(t)[1]) for t in ids) == text.encode()
+    partial = [t for t in ids if "\ufffd" in tok.piece(t)[0]]
+    assert partial  # the tiny BPE splits these characters across tokens
+    eos_text, eos_bytes = tok.piece(tok.text.eos_token_id)
+    assert eos_text == "<|end_of_text|>" and bytes(eos_bytes) == eos_text.encode()
+
+
+def test_eos_ids_include_generation_config(llama_dir):
+    tok = ModelTokenizer(str(llama_dir))
+    assert tok.eos_token_ids[0] == tok.text.eos_token_id
+    assert set(tok.eos_token_ids) == {1, 3}  # generation_config.json adds <|im_end|>
+
+
+def test_tokenizer_pool_loads_once_and_reports_a_bad_path(llama_dir, tmp_path):
+    async def run():
+        pool = TokenizerPool()
+        a, b = await asyncio.gather(pool.get(str(llama_dir)), pool.get(str(llama_dir)))
+        assert a is b
+        with pytest.raises(Exception, match="Cannot load the tokenizer"):
+            await pool.get(str(tmp_path / "missing"))
+
+    asyncio.run(run())
+
+
+def test_merge_interleaves_and_closes_every_stream_on_error():
+    closed: list[str] = []
+
+    async def stream(name: str, count: int, fail: bool = False):
+        try:
+            for i in range(count):
+                await asyncio.sleep(0.001)
+                yield EngineOutput(request_id=name, new_token_ids=[i])
+            if fail:
+                raise WorkerFailed("gone")
+            await asyncio.sleep(10)  # still running when the merge is closed
+        finally:
+            closed.append(name)
+
+    async def run():
+        merged = merge([stream("a", 3), stream("b", 2, fail=True)])
+        seen = []
+        with pytest.raises(WorkerFailed):
+            async for out in merged:
+                seen.append(out.request_id)
+        assert seen.count("b") == 2  # everything b sent before failing arrives first
+
+    asyncio.run(run())
+    assert sorted(closed) == ["a", "b"]
