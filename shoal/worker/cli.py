@@ -37,6 +37,15 @@ def register(subparsers) -> None:
         help="seconds in-flight requests get to finish on SIGTERM (default 30) "
         "[env SHOAL_DRAIN_TIMEOUT]",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ["SHOAL_METRICS_PORT"])
+        if "SHOAL_METRICS_PORT" in os.environ
+        else None,
+        help="serve Prometheus /metrics of this worker on this port (default: off) "
+        "[env SHOAL_METRICS_PORT]",
+    )
     p.set_defaults(func=run_worker)
 
 
@@ -55,6 +64,7 @@ def run_worker(args: argparse.Namespace) -> int:
             args.discovery,
             host=args.host,
             drain_timeout=args.drain_timeout,
+            metrics_port=args.metrics_port,
         )
     )
     return 0

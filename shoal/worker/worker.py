@@ -11,6 +11,7 @@ from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.config import EngineConfig
 from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, ModelCard
 from shoal.runtime.distributed import DistributedRuntime
+from shoal.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,15 @@ async def serve_worker(
     host: str = "127.0.0.1",
     port: int = 0,
     drain_timeout: float = 30.0,
+    metrics_port: int | None = None,
 ) -> None:
     """Start the engine, register, serve until SIGTERM/SIGINT, then drain and exit."""
     loop = asyncio.get_running_loop()
-    engine = await asyncio.to_thread(AsyncLLM, config)
+    metrics = WorkerMetrics(served_model_name)
+    engine = await asyncio.to_thread(AsyncLLM, config, metrics.update)
+    metrics.update(engine.engine)
+    if metrics_port is not None:
+        metrics.serve(metrics_port, host)
     worker = Worker(engine, served_model_name)
     runtime = DistributedRuntime(discovery, host=host, port=port)
     stop = asyncio.Event()
