@@ -1,0 +1,275 @@
+"""Streaming OpenAI-compatible HTTP client (aiohttp) and the per-request record it fills."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from shoal.bench.workloads import Turn
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ERROR_DETAIL_CHARS = 300
+
+
+@dataclass
+class RequestRecord:
+    """Everything measured about one request; times in seconds from the run's start."""
+
+    index: int
+    session: int
+    turn: int
+    scheduled_s: float
+    input_tokens: int
+    messages: int
+    max_tokens: int
+    start_s: float = 0.0
+    end_s: float = 0.0
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    chunks: int = 0
+    input_tokens_server: int | None = None
+    output_tokens_server: int | None = None
+    finish_reason: str | None = None
+    status: int | None = None
+    error_kind: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_kind is None
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def output_tokens(self) -> int:
+        """Server-reported output tokens, or content chunks when the server sent no usage."""
+        return self.output_tokens_server if self.output_tokens_server is not None else self.chunks
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (e2e - ttft) / (output tokens - 1)."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def fail(self, kind: str, detail: str) -> None:
+        self.error_kind = kind
+        self.error = detail[:ERROR_DETAIL_CHARS]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: the raw fields plus latencies in milliseconds."""
+        d = asdict(self)
+        d["itl_s"] = [round(x, 7) for x in self.itl_s]
+        d["ttft_ms"] = None if self.ttft_s is None else self.ttft_s * 1e3
+        d["tpot_ms"] = None if self.tpot_s is None else self.tpot_s * 1e3
+        d["e2e_ms"] = self.e2e_s * 1e3
+        d["output_tokens"] = self.output_tokens
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RequestRecord:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class Conversation:
+    """The growing context of one session, in the endpoint's request format."""
+
+    def __init__(self, chat: bool, count: Callable[[str], int]) -> None:
+        self.chat = chat
+        self.count = count
+        self.messages: list[dict[str, str]] = []
+        self.prompt = ""
+        self.tokens = 0
+
+    def ask(self, turn: Turn) -> dict[str, Any]:
+        """Add the turn's user message; returns the body's prompt or messages."""
+        if self.chat:
+            self.messages.append({"role": "user", "content": turn.text})
+            self.tokens += turn.tokens
+            return {"messages": list(self.messages)}
+        if self.prompt:
+            self.prompt = f"{self.prompt} {turn.text}"
+            self.tokens = self.count(self.prompt)
+        else:
+            self.prompt = turn.text
+            self.tokens = turn.tokens
+        return {"prompt": self.prompt}
+
+    def answer(self, text: str) -> None:
+        """Append the model's reply to the context."""
+        if self.chat:
+            self.messages.append({"role": "assistant", "content": text})
+            self.tokens += self.count(text)
+        else:
+            self.prompt += text
+
+    @property
+    def num_messages(self) -> int:
+        return len(self.messages) if self.chat else 1
+
+
+def _server_root(base_url: str) -> str:
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+def endpoint_url(base_url: str, endpoint: str) -> str:
+    """`base_url` (with or without a trailing /v1) joined with the endpoint's path."""
+    return _server_root(base_url) + ENDPOINTS[endpoint]
+
+
+class OpenAIClient:
+    """One aiohttp session posting streaming requests; use as `async with`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        endpoint: str = "completions",
+        *,
+        timeout_s: float = 600.0,
+        max_connections: int = 0,
+        headers: dict[str, str] | None = None,
+        extra_body: dict[str, Any] | None = None,
+        ignore_eos: bool = True,
+        min_tokens: bool = True,
+    ) -> None:
+        self.url = endpoint_url(base_url, endpoint)
+        self.model = model
+        self.chat = endpoint == "chat"
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self.headers = headers or {}
+        self.extra_body = extra_body or {}
+        self.ignore_eos = ignore_eos
+        self.min_tokens = min_tokens
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> OpenAIClient:
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections, limit_per_host=0, ttl_dns_cache=None
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            headers=self.headers,
+        )
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def body(self, prompt: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+        """The JSON body for one streaming request."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            **prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.min_tokens:
+            body["min_tokens"] = max_tokens
+        body.update(self.extra_body)
+        return body
+
+    async def stream(self, record: RequestRecord, prompt: dict[str, Any], origin: float) -> str:
+        """Send one request, fill `record` with its timings and usage; returns the reply text.
+
+        Failures (connection, HTTP status, timeout, malformed stream) are recorded, not raised.
+        """
+        assert self._session is not None, "use OpenAIClient as an async context manager"
+        body = self.body(prompt, record.max_tokens)
+        parts: list[str] = []
+        token_times: list[float] = []
+        done = False
+        start = time.perf_counter()
+        record.start_s = start - origin
+        try:
+            async with self._session.post(self.url, json=body) as resp:
+                record.status = resp.status
+                if resp.status != 200:
+                    detail = await resp.text()
+                    record.fail("http", f"HTTP {resp.status}: {detail.strip()}")
+                    return ""
+                async for raw in resp.content:
+                    now = time.perf_counter()
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(data)
+                    if self._read_chunk(chunk, record, parts):
+                        token_times.append(now)
+                    if record.error_kind is not None:
+                        return "".join(parts)
+        except TimeoutError:
+            record.fail("timeout", f"no complete response within {self.timeout_s:g} s")
+        except aiohttp.ClientConnectorError as e:
+            record.fail("connect", str(e))
+        except aiohttp.ClientError as e:
+            record.fail("transport", f"{type(e).__name__}: {e}")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            record.fail("bad-response", f"{type(e).__name__}: {e}")
+        finally:
+            end = time.perf_counter()
+            record.end_s = end - origin
+            record.chunks = len(token_times)
+            if token_times:
+                record.ttft_s = token_times[0] - start
+                record.itl_s = [b - a for a, b in itertools.pairwise(token_times)]
+        if record.ok and not done and record.finish_reason is None:
+            record.fail(
+                "incomplete", "stream ended without finish_reason or [DONE] (not an SSE stream?)"
+            )
+        return "".join(parts)
+
+    def _read_chunk(self, chunk: dict[str, Any], record: RequestRecord, parts: list[str]) -> bool:
+        """Take one SSE JSON chunk into the record; True when it carried generated text."""
+        if "error" in chunk or chunk.get("object") == "error":
+            error = chunk.get("error", chunk)
+            message = error.get("message", error) if isinstance(error, dict) else error
+            record.fail("server-error", str(message))
+            return False
+        usage = chunk.get("usage")
+        if usage:
+            record.input_tokens_server = usage.get("prompt_tokens")
+            record.output_tokens_server = usage.get("completion_tokens")
+        got_text = False
+        for choice in chunk.get("choices") or ():
+            if self.chat:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or delta.get("reasoning_content") or ""
+            else:
+                text = choice.get("text") or ""
+            if text:
+                parts.append(text)
+                got_text = True
+            if choice.get("finish_reason"):
+                record.finish_reason = choice["finish_reason"]
+        return got_text
+
+
+async def list_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
+    """Model ids served at `base_url` (GET /v1/models)."""
+    url = _server_root(base_url) + "/v1/models"
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
+        resp.raise_for_status()
+        payload = await resp.json()
+    return [m["id"] for m in payload.get("data", [])]

@@ -1,0 +1,170 @@
+"""Aggregates over request records: latency percentiles, throughput, goodput, token checks."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from shoal.bench.client import RequestRecord
+
+LATENCIES = ("ttft", "itl", "tpot", "e2e")
+SLO_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+MISMATCH_EXAMPLES = 20
+
+
+def stats(values: Iterable[float]) -> dict[str, float] | None:
+    """count, mean, min, p50, p90, p99 and max of `values`; None when empty."""
+    a = np.asarray(list(values), dtype=np.float64)
+    if a.size == 0:
+        return None
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {
+        "count": int(a.size),
+        "mean": float(a.mean()),
+        "min": float(a.min()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "max": float(a.max()),
+    }
+
+
+def parse_slo(spec: str) -> dict[str, float]:
+    """'ttft=2000ms,itl=50ms' -> {'ttft': 2000.0, 'itl': 50.0} (milliseconds; bare = ms)."""
+    slo = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        m = re.fullmatch(r"(\w+)\s*[=:]\s*([0-9.]+)\s*(us|ms|s)?", item)
+        if not m or m.group(1) not in LATENCIES:
+            raise ValueError(f"bad SLO {item!r}: use KEY=VALUE[us|ms|s], KEY in {LATENCIES}")
+        slo[m.group(1)] = float(m.group(2)) * SLO_UNITS[m.group(3) or "ms"]
+    return slo
+
+
+def request_ms(record: RequestRecord, key: str) -> float | None:
+    """One request's latency in ms: ttft, itl (its mean gap), tpot or e2e."""
+    if key == "ttft":
+        value = record.ttft_s
+    elif key == "itl":
+        value = sum(record.itl_s) / len(record.itl_s) if record.itl_s else None
+    elif key == "tpot":
+        value = record.tpot_s
+    else:
+        value = record.e2e_s
+    return None if value is None else value * 1e3
+
+
+def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
+    """Succeeded and within every SLO; itl and tpot hold vacuously for one-token replies."""
+    if not record.ok:
+        return False
+    for key, limit in slo.items():
+        value = request_ms(record, key)
+        if value is None and key in ("ttft", "e2e"):
+            return False
+        if value is not None and value > limit:
+            return False
+    return True
+
+
+def input_token_check(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Server prompt tokens against client counts.
+
+    The server adds a constant per prompt shape (BOS, chat template), so the most common
+    difference for each message count is taken as that overhead; others are mismatches.
+    """
+    checked = [r for r in records if r.ok and r.input_tokens_server is not None]
+    deltas: dict[int, Counter] = {}
+    for r in checked:
+        deltas.setdefault(r.messages, Counter())[r.input_tokens_server - r.input_tokens] += 1
+    overhead = {m: c.most_common(1)[0][0] for m, c in sorted(deltas.items())}
+    bad = [
+        r.index for r in checked if r.input_tokens_server - r.input_tokens != overhead[r.messages]
+    ]
+    return {
+        "checked": len(checked),
+        "client_total": sum(r.input_tokens for r in checked),
+        "server_total": sum(r.input_tokens_server for r in checked),
+        "overhead_by_messages": {str(m): v for m, v in overhead.items()},
+        "mismatches": len(bad),
+        "mismatched_requests": bad[:MISMATCH_EXAMPLES],
+    }
+
+
+def output_token_check(records: Sequence[RequestRecord], exact: bool) -> dict[str, Any]:
+    """Server completion tokens against max_tokens; mismatches count only when `exact`."""
+    checked = [r for r in records if r.ok and r.output_tokens_server is not None]
+    bad = [r.index for r in checked if exact and r.output_tokens_server != r.max_tokens]
+    return {
+        "checked": len(checked),
+        "requested_total": sum(r.max_tokens for r in checked),
+        "server_total": sum(r.output_tokens_server for r in checked),
+        "without_usage": sum(1 for r in records if r.ok and r.output_tokens_server is None),
+        "exact_expected": exact,
+        "mismatches": len(bad),
+        "mismatched_requests": bad[:MISMATCH_EXAMPLES],
+    }
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    slo: dict[str, float] | None = None,
+    exact_output: bool = False,
+) -> dict[str, Any]:
+    """All aggregates of one run; `exact_output` when ignore_eos made max_tokens exact."""
+    ok = [r for r in records if r.ok]
+    sent = [r for r in records if r.error_kind != "skipped"]
+    duration = max(r.end_s for r in records) - min(r.start_s for r in records) if records else 0.0
+    per_s = 1.0 / duration if duration > 0 else 0.0
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(
+        r.input_tokens_server if r.input_tokens_server is not None else r.input_tokens for r in ok
+    )
+    kinds = Counter(r.error_kind for r in records if not r.ok)
+    examples = {}
+    for r in records:
+        if not r.ok:
+            examples.setdefault(r.error_kind, r.error)
+    summary: dict[str, Any] = {
+        "requests": {
+            "total": len(records),
+            "ok": len(ok),
+            "errors": len(records) - len(ok),
+            "error_kinds": dict(kinds.most_common()),
+            "error_examples": examples,
+        },
+        "duration_s": duration,
+        "throughput": {
+            "requests_per_s": len(ok) * per_s,
+            "input_tokens_per_s": in_tokens * per_s,
+            "output_tokens_per_s": out_tokens * per_s,
+            "total_tokens_per_s": (in_tokens + out_tokens) * per_s,
+        },
+        "mean_in_flight": sum(r.e2e_s for r in sent) * per_s,
+        "latency_ms": {
+            "ttft": stats(v for r in ok if (v := request_ms(r, "ttft")) is not None),
+            "itl": stats(x * 1e3 for r in ok for x in r.itl_s),
+            "tpot": stats(v for r in ok if (v := request_ms(r, "tpot")) is not None),
+            "e2e": stats(r.e2e_s * 1e3 for r in ok),
+        },
+        "tokens": {
+            "input": stats(r.input_tokens for r in ok),
+            "output": stats(r.output_tokens for r in ok),
+            "input_check": input_token_check(records),
+            "output_check": output_token_check(records, exact_output),
+        },
+        "schedule_lag_ms": stats((r.start_s - r.scheduled_s) * 1e3 for r in sent),
+        "goodput": None,
+    }
+    if slo:
+        good = sum(1 for r in records if meets_slo(r, slo))
+        summary["goodput"] = {
+            "slo_ms": slo,
+            "good": good,
+            "fraction": good / len(records) if records else 0.0,
+            "requests_per_s": good * per_s,
+        }
+    return summary

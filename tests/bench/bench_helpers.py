@@ -1,0 +1,39 @@
+"""Helpers for the bench tests: run sessions against a URL, run the CLI in-process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from shoal.bench.cli import register
+from shoal.bench.client import OpenAIClient
+from shoal.bench.loadgen import LoadShape, RunResult, run_load
+from shoal.bench.vocab import Vocabulary
+
+
+def run_sessions(
+    url: str,
+    sessions,
+    shape: LoadShape,
+    vocab: Vocabulary,
+    endpoint: str = "completions",
+    stub: dict | None = None,
+    **client_options,
+) -> RunResult:
+    """Send `sessions` to `url` under `shape` with a fresh client."""
+
+    async def go() -> RunResult:
+        extra = {"stub": stub} if stub else None
+        client = OpenAIClient(url, "stub-model", endpoint, extra_body=extra, **client_options)
+        async with client:
+            return await run_load(sessions, shape, client, vocab.count)
+
+    return asyncio.run(go())
+
+
+def bench_cli(*argv: str) -> int:
+    """Run `shoal bench ...` in this process; returns its exit code."""
+    parser = argparse.ArgumentParser(prog="shoal")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
