@@ -5,71 +5,23 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serve_helpers import start_serve, stop_serve, worker_pids
 
 from shoal import LLM, SamplingParams
-from shoal.protocol import GENERATE_ENDPOINT
-from shoal.runtime.discovery import DirectoryDiscovery
 
 PROMPT = "The river ran fast and cold between the stones, and the small fish held their place"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def instances(folder: Path) -> int:
-    async def count() -> int:
-        discovery = DirectoryDiscovery(str(folder))
-        try:
-            return len(await discovery.list(GENERATE_ENDPOINT))
-        finally:
-            await discovery.close()
-
-    return asyncio.run(count())
-
-
-def worker_pids(serve_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    port = free_port()
-    folder = tmp_path_factory.mktemp("discovery")
-    argv = [sys.executable, "-m", "shoal", "serve", "--model", str(llama_dir), "--workers", "2"]
-    argv += ["--port", str(port), "--discovery", f"file://{folder}", "--device", "cpu"]
-    argv += ["--served-model-name", "tiny", "--shutdown-timeout", "5"]
-    proc = subprocess.Popen(argv, env={**os.environ, "SHOAL_DRAIN_TIMEOUT": "5"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health").status_code == 200 and instances(folder) == 2:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, "shoal serve exited during start-up"
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("shoal serve did not become healthy with 2 workers")
+    proc, base, folder = start_serve(llama_dir, tmp_path_factory.mktemp("discovery"), workers=2)
     yield proc, base, folder
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    assert not worker_pids(proc.pid)
+    stop_serve(proc)
 
 
 @pytest.fixture(scope="module")

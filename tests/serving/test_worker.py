@@ -9,7 +9,7 @@ import sys
 import time
 
 import httpx
-from test_serve import free_port, instances
+from serve_helpers import free_port, instances
 
 from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, SamplingParams
 from shoal.runtime.distributed import DistributedRuntime
