@@ -188,7 +188,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help=f"requests to send (default: {DEFAULT_REQUESTS}; trace: the first N entries, "
-        "default all); in a sweep, each level sends max(N, 2 x level)",
+        "default all; multi-turn: see --num-sessions); in a sweep, each level sends "
+        "max(N, 2 x level)",
     )
     work.add_argument(
         "--input-len",
@@ -382,6 +383,8 @@ def _check_run_args(args: argparse.Namespace) -> str | None:
         args.workload != "shared-prefix"
     ):
         return "--prefix-len/--prefix-ratio need --workload shared-prefix"
+    if args.workload == "multi-turn" and args.num_requests is not None:
+        return "multi-turn sends --num-sessions x --turns requests: use --num-sessions"
     for name in ("num_requests", "concurrency", "max_concurrency", "num_sessions"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -54,7 +54,7 @@ def test_timeout_counted(stub, vocab, builder):
         timeout_s=0.15,
     )
     assert [r.error_kind for r in result.records] == ["timeout"] * 4
-    assert all(0.14 < r.e2e_s < 0.5 for r in result.records)
+    assert all(0.14 < r.e2e_s < 1.0 for r in result.records)
 
 
 def test_error_inside_the_stream(stub, vocab, builder):

@@ -45,8 +45,8 @@ def test_duration_stops_new_requests(stub, vocab, builder):
         vocab,
         stub={"ttft_ms": 40},
     )
-    # two workers, 40+ ms per request, 0.2 s: about ten requests, never the thousand
-    assert 6 <= len(result.records) <= 14
+    # two workers, 40+ ms per request, none started after 0.2 s: at most ten requests
+    assert 2 <= len(result.records) <= 10
     assert max(r.start_s for r in result.records) < 0.2
 
 
@@ -62,7 +62,7 @@ def test_constant_rate_starts_on_schedule(stub, vocab, builder):
     assert len(records) == 20
     assert [r.scheduled_s for r in records] == pytest.approx([i * 0.01 for i in range(20)])
     lag = np.array([r.start_s - r.scheduled_s for r in records])
-    assert lag.min() >= 0 and np.median(lag) < 0.002 and lag.max() < 0.02
+    assert lag.min() >= 0 and np.median(lag) < 0.005 and lag.max() < 0.05
 
 
 def test_poisson_rate_has_exponential_gaps(stub, vocab, builder):
