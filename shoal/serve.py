@@ -74,24 +74,6 @@ async def _watch_workers(workers: list[subprocess.Popen]) -> None:
             running.remove(proc)
 
 
-async def _serve(args: argparse.Namespace, discovery: str, workers: list[subprocess.Popen]):
-    watcher = asyncio.create_task(_watch_workers(workers))
-    try:
-        await serve_frontend(args, discovery)
-    finally:
-        watcher.cancel()
-
-
-async def _watch_workers(workers: list[subprocess.Popen]) -> None:
-    """Reap workers that exit on their own and say so; the others keep serving."""
-    running = list(workers)
-    while running:
-        await asyncio.sleep(1.0)
-        for proc in [p for p in running if p.poll() is not None]:
-            log.warning("worker pid %d exited with code %d", proc.pid, proc.returncode)
-            running.remove(proc)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.workers < 1:
