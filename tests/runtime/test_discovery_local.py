@@ -63,8 +63,8 @@ class Watcher:
 
 async def check_backend(handle: Callable[[], Discovery]) -> None:
     """Handles on one backend: registration, watch, re-registration, unregister, close."""
-    a, b = handle(), handle()
-    watcher = Watcher(b)
+    a, b, observer = handle(), handle(), handle()
+    watcher = Watcher(observer)  # its own handle: b's watch may end with b.close() below
     await a.register(record("one"), ttl=5)
     await b.register(record("two"), ttl=5)
     await a.register(record("other", endpoint="test.other.generate"), ttl=5)
@@ -84,6 +84,7 @@ async def check_backend(handle: Callable[[], Discovery]) -> None:
     assert [r.instance_id for r in await a.list("test.other.generate")] == ["other"]
     assert all(e.instance.endpoint == ENDPOINT for _, e in watcher.events)
     await watcher.close()
+    await observer.close()
     await a.close()
     async with handle() as c:
         assert await c.list("test.other.generate") == []
