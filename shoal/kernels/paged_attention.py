@@ -89,6 +89,50 @@ def _kv_tile_offsets(
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    cache,
+    half,
+    block_tables,
+    seq,
+    stride_bt,
+    kv_pos,
+    kv_ok,
+    allowed,
+    kv_head,
+    d,
+    d_ok,
+    scale,
+    m_i,
+    l_i,
+    acc,
+    PAGE: tl.constexpr,
+    NUM_KV_HEADS,
+    HEAD_DIM,
+    PRECISION: tl.constexpr,
+):
+    """One online-softmax step: fold the K/V tile at kv_pos into (m_i, l_i, acc).
+
+    `allowed` [rows, BLOCK_N] masks the scores each query row may attend to.
+    """
+    offs = _kv_tile_offsets(
+        block_tables, seq, stride_bt, kv_pos, kv_head, d, PAGE, NUM_KV_HEADS, HEAD_DIM
+    )
+    tile_ok = kv_ok[:, None] & d_ok[None, :]
+    k = tl.load(cache + offs, mask=tile_ok, other=0.0)
+    v = tl.load(cache + half + offs, mask=tile_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     query,
     cache,
@@ -144,22 +188,29 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < kv_end
-        offs = _kv_tile_offsets(
-            block_tables, seq, stride_bt, kv_pos, kv_head, d, PAGE, NUM_KV_HEADS, HEAD_DIM
-        )
-        tile_ok = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(cache + offs, mask=tile_ok, other=0.0)
-        v = tl.load(cache + half + offs, mask=tile_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         causal = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q,
+            cache,
+            half,
+            block_tables,
+            seq,
+            stride_bt,
+            kv_pos,
+            kv_ok,
+            causal,
+            kv_head,
+            d,
+            d_ok,
+            scale,
+            m_i,
+            l_i,
+            acc,
+            PAGE,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            PRECISION,
+        )
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -265,21 +316,28 @@ def _decode_split_kernel(
     for start in range(first, last, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < last
-        offs = _kv_tile_offsets(
-            block_tables, seq, stride_bt, kv_pos, kv_head, d, PAGE, NUM_KV_HEADS, HEAD_DIM
+        m_i, l_i, acc = _attend_tile(
+            q,
+            cache,
+            half,
+            block_tables,
+            seq,
+            stride_bt,
+            kv_pos,
+            kv_ok,
+            kv_ok[None, :],
+            kv_head,
+            d,
+            d_ok,
+            scale,
+            m_i,
+            l_i,
+            acc,
+            PAGE,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            PRECISION,
         )
-        tile_ok = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(cache + offs, mask=tile_ok, other=0.0)
-        v = tl.load(cache + half + offs, mask=tile_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(kv_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
     base = (seq * NUM_KV_HEADS * GROUP + head) * NUM_SPLITS + split
     tl.store(part_m + base, m_i, mask=row_ok)
     tl.store(part_l + base, l_i, mask=row_ok)
