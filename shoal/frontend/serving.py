@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -90,17 +90,13 @@ class OpenAIServing:
             self.metrics.for_model(body.model),
             arrival,
         )
-        try:
-            if body.stream:
-                await self._guarded(request, body.model, run.open())
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = chat_events(run, tok, body.logprobs, include_usage)
-                return SSEResponse(events, on_close=run.close)
-            whole = chat_response(run, tok, body.logprobs)
-            payload = await self._guarded(request, body.model, whole)
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return json_response(payload)
+        return await self._answer(
+            request,
+            body,
+            run,
+            lambda usage: chat_events(run, tok, body.logprobs, usage),
+            lambda: chat_response(run, tok, body.logprobs),
+        )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -128,14 +124,29 @@ class OpenAIServing:
             self.metrics.for_model(body.model),
             arrival,
         )
+        return await self._answer(
+            request,
+            body,
+            run,
+            lambda usage: completion_events(run, tok, body.logprobs, echo, usage),
+            lambda: completion_response(run, tok, body.logprobs, echo),
+        )
+
+    async def _answer(
+        self,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        run: RequestRun,
+        events: Callable[[bool], AsyncGenerator[bytes, None]],
+        whole: Callable[[], Awaitable[dict]],
+    ) -> Response:
+        """Stream events(include_usage) as SSE, or send the awaited whole response as JSON."""
         try:
             if body.stream:
                 await self._guarded(request, body.model, run.open())
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = completion_events(run, tok, body.logprobs, echo, include_usage)
-                return SSEResponse(events, on_close=run.close)
-            whole = completion_response(run, tok, body.logprobs, echo)
-            payload = await self._guarded(request, body.model, whole)
+                return SSEResponse(events(include_usage), on_close=run.close)
+            payload = await self._guarded(request, body.model, whole())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return json_response(payload)
