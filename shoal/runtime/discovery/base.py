@@ -7,8 +7,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 from shoal.protocol import InstanceRecord
 from shoal.runtime.addressing import EndpointAddress
+
+# every backend stores a registration as the JSON of its InstanceRecord
+decode_record = msgspec.json.Decoder(InstanceRecord).decode
 
 DEFAULT_LEASE_TTL = 10.0
 

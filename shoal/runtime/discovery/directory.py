@@ -23,13 +23,12 @@ from shoal.runtime.discovery.base import (
     DEFAULT_LEASE_TTL,
     Discovery,
     InstanceEvent,
+    decode_record,
     diff,
     instance_path,
 )
 
 log = logging.getLogger(__name__)
-
-_decode_record = msgspec.json.Decoder(InstanceRecord).decode
 
 
 def _write(path: Path, data: bytes, ttl: float) -> None:
@@ -131,7 +130,7 @@ class DirectoryDiscovery(Discovery):
                 if cached is None or cached[0] != stat.st_ino:
                     cached = cache[name] = (
                         stat.st_ino,
-                        _decode_record(Path(entry.path).read_bytes()),
+                        decode_record(Path(entry.path).read_bytes()),
                     )
             except FileNotFoundError:
                 continue

@@ -28,6 +28,7 @@ from shoal.runtime.discovery.base import (
     DEFAULT_LEASE_TTL,
     Discovery,
     InstanceEvent,
+    decode_record,
     diff,
     instance_path,
 )
@@ -36,8 +37,6 @@ from shoal.runtime.errors import DiscoveryError
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "shoal/instances/"
-
-_decode_record = msgspec.json.Decoder(InstanceRecord).decode
 _ERRORS = (httpx.HTTPError, DiscoveryError, msgspec.DecodeError)
 
 
@@ -48,7 +47,7 @@ def _b64(data: bytes) -> str:
 def _record(kv: dict[str, Any]) -> InstanceRecord | None:
     """The record in an etcd key-value, or None (logged) if it is not one."""
     try:
-        return _decode_record(base64.b64decode(kv["value"]))
+        return decode_record(base64.b64decode(kv["value"]))
     except (msgspec.DecodeError, KeyError, ValueError) as exc:
         log.warning("ignoring malformed registration %s: %s", kv.get("key"), exc)
         return None
