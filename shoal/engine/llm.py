@@ -59,14 +59,10 @@ class LLM:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        self.engine.add_request(
-            EngineRequest(
-                request_id=rid,
-                prompt_token_ids=token_ids,
-                sampling=sp,
-                eos_token_ids=sorted(set(eos) | self.engine.eos_token_ids),
-            )
-        )
+        request = EngineRequest(
+            request_id=rid, prompt_token_ids=token_ids, sampling=sp, eos_token_ids=eos
+        )  # the engine adds the model's own EOS ids
+        self.engine.add_request(request)
         return _Tracker(RequestOutput(rid, text, token_ids, []), sp, self.tokenizer)
 
 
