@@ -12,10 +12,13 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import EngineOutput, EngineRequest
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -27,9 +30,16 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, on_step: Callable[[LLMEngine], None] | None = None):
-        """on_step, if given, runs in the engine thread after every step (events, metrics)."""
-        self.engine = LLMEngine(config)
+    def __init__(
+        self,
+        engine: LLMEngine | EngineConfig,
+        on_step: Callable[[LLMEngine], None] | None = None,
+    ):
+        """Drive `engine` (or one built from a config) from a thread of its own.
+
+        on_step, if given, runs in the engine thread after every step (events, metrics).
+        """
+        self.engine = LLMEngine(engine) if isinstance(engine, EngineConfig) else engine
         self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -67,6 +77,14 @@ class AsyncLLM:
         self._commands.put(("abort", request_id, freed))
         await freed
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) in the engine thread between steps and return its result."""
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", fn, done))
+        return await done
+
     def shutdown(self) -> None:
         self._closed = True
         self._commands.put(("stop",))
@@ -102,9 +120,13 @@ class AsyncLLM:
         elif command[0] == "abort":
             _, request_id, freed = command
             self.engine.abort(request_id)
-            loop = freed.get_loop()
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_resolve, freed)
+            _settle(freed, None, None)
+        elif command[0] == "call":
+            _, fn, done = command
+            try:
+                _settle(done, fn(self.engine), None)
+            except Exception as e:
+                _settle(done, None, e)
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
@@ -116,6 +138,17 @@ class AsyncLLM:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    """Complete an asyncio future from the engine thread."""
+    loop = future.get_loop()
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(_complete, future, result, error)
+
+
+def _complete(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

@@ -51,6 +51,7 @@ def register(subparsers) -> None:
 
 def run_worker(args: argparse.Namespace) -> int:
     from shoal.engine.config import EngineConfig
+    from shoal.engine.llm_engine import LLMEngine
     from shoal.worker.worker import serve_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -59,7 +60,7 @@ def run_worker(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, **engine_options(args))
     asyncio.run(
         serve_worker(
-            config,
+            lambda: LLMEngine(config),
             args.served_model_name or args.model,
             args.discovery,
             host=args.host,

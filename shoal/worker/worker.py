@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from shoal.engine.async_llm import AsyncLLM
-from shoal.engine.config import EngineConfig
+from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, ModelCard
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.worker.metrics import WorkerMetrics
@@ -38,7 +38,7 @@ class Worker:
 
 
 async def serve_worker(
-    config: EngineConfig,
+    make_engine: Callable[[], LLMEngine],
     served_model_name: str,
     discovery: str | None,
     host: str = "127.0.0.1",
@@ -49,7 +49,7 @@ async def serve_worker(
     """Start the engine, register, serve until SIGTERM/SIGINT, then drain and exit."""
     loop = asyncio.get_running_loop()
     metrics = WorkerMetrics(served_model_name)
-    engine = await asyncio.to_thread(AsyncLLM, config, metrics.update)
+    engine = AsyncLLM(await asyncio.to_thread(make_engine), metrics.update)
     metrics.update(engine.engine)
     if metrics_port is not None:
         metrics.serve(metrics_port, host)
