@@ -1,0 +1,117 @@
+"""The router's running prediction of each worker's load, corrected by the workers' reports.
+
+Between two reports the router knows what it sent where: it adds each request's blocks and
+uncached prompt tokens when it routes it, drops the prompt tokens at its first token (the
+prefill is over) and the blocks when it finishes. Reports arrive only now and then, but
+they also count what the prediction cannot see (other routers' requests, blocks held by
+generated tokens); see LoadTracker.report for how the two are combined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.protocol import LoadReport
+
+
+@dataclass(slots=True)
+class _WorkerLoad:
+    blocks: int = 0  # predicted active KV blocks of this router's requests
+    prefill_tokens: int = 0  # uncached prompt tokens of this router's requests not yet prefilled
+    foreign: int = 0  # reported active blocks the prediction did not account for
+    waiting: int = 0  # requests queued on the worker, as last reported
+    total_blocks: int | None = None  # the worker's KV cache size, once reported
+
+
+@dataclass(slots=True)
+class _Request:
+    load: _WorkerLoad
+    blocks: int
+    prefill_tokens: int
+
+
+_UNKNOWN = _WorkerLoad()  # what a worker never routed to nor heard from looks like; never mutated
+
+
+class LoadTracker:
+    """Per-worker running sums of routed requests' load, plus the workers' last reports.
+
+    Every method is O(1): the sums change by one request's share at a time.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._workers: dict[str, _WorkerLoad] = {}
+        self._requests: dict[str, _Request] = {}
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: converts prefill tokens to blocks (settable, e.g. on discovery)."""
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"block_size must be at least 1 (got {value!r})")
+        self._block_size = value
+
+    def add(self, request_id: str, worker_id: str, blocks: int, prefill_tokens: int) -> None:
+        """Count a request just routed to `worker_id`; adding an id again moves it there."""
+        self.finish(request_id)
+        load = self._workers.setdefault(worker_id, _WorkerLoad())
+        load.blocks += blocks
+        load.prefill_tokens += prefill_tokens
+        self._requests[request_id] = _Request(load, blocks, prefill_tokens)
+
+    def first_token(self, request_id: str) -> None:
+        """The request's prefill is done: release its prompt tokens (again: no-op)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.load.prefill_tokens -= request.prefill_tokens
+            request.prefill_tokens = 0
+
+    def finish(self, request_id: str) -> None:
+        """The request is over: release all it held (again, or an unknown id: no-op)."""
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            request.load.blocks -= request.blocks
+            request.load.prefill_tokens -= request.prefill_tokens
+
+    def report(self, report: LoadReport) -> None:
+        """Correct the prediction with a worker's own count.
+
+        The predicted active blocks count only this router's requests. The part of the
+        reported active blocks that the prediction does not explain, foreign =
+        max(0, report.active_blocks - predicted blocks now), is kept and added to the
+        prediction until the next report replaces it; the prediction itself is left alone,
+        so requests routed or finished after the report still move the total at once.
+        The waiting count and the cache size are taken as reported (a total of 0 means
+        unknown).
+        """
+        load = self._workers.setdefault(report.worker_id, _WorkerLoad())
+        load.foreign = max(0, report.active_blocks - load.blocks)
+        load.waiting = report.num_waiting
+        load.total_blocks = report.total_blocks if report.total_blocks > 0 else None
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker; its requests still in flight release into the forgotten state."""
+        self._workers.pop(worker_id, None)
+
+    def prefill_blocks(self, worker_id: str) -> float:
+        """Prompt work queued on the worker by this router, in blocks."""
+        return self._workers.get(worker_id, _UNKNOWN).prefill_tokens / self._block_size
+
+    def decode_blocks(self, worker_id: str) -> int:
+        """Active KV blocks on the worker: predicted for this router's requests plus foreign."""
+        load = self._workers.get(worker_id, _UNKNOWN)
+        return load.blocks + load.foreign
+
+    def waiting(self, worker_id: str) -> int:
+        return self._workers.get(worker_id, _UNKNOWN).waiting
+
+    def usage(self, worker_id: str) -> float | None:
+        """Fraction of the worker's KV blocks active, or None before it reports its size."""
+        load = self._workers.get(worker_id, _UNKNOWN)
+        if load.total_blocks is None:
+            return None
+        return (load.blocks + load.foreign) / load.total_blocks
