@@ -22,28 +22,13 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.model_dir = resolve_model_dir(config.model)
-        self.model_config = ModelConfig.from_dir(self.model_dir, config.dtype)
-        self.device = torch.device(
-            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        self.max_model_len = self._max_model_len()
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._init_config(config, torch.device(device))
         t0 = time.perf_counter()
         model = load_model(self.model_dir, self.model_config, self.device, config.load_format)
         load_time = time.perf_counter() - t0
         num_blocks = self._num_kv_blocks(model)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
-            self.kv,
-        )
+        self._init_core(num_blocks)
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.runner = ModelRunner(
             model,
@@ -56,7 +41,6 @@ class LLMEngine:
             enforce_eager=config.enforce_eager,
         )
         graph_time = self.runner.capture_graphs()
-        self.requests: dict[str, list[Request]] = {}  # request id -> its sequences
         log.info(
             "engine ready in %.2fs (weights %.2fs, graphs %.2fs): %s on %s, "
             "%d KV blocks of %d tokens = %d tokens of KV cache",
@@ -69,6 +53,30 @@ class LLMEngine:
             config.block_size,
             num_blocks * config.block_size,
         )
+
+    def _init_config(self, config: EngineConfig, device: torch.device) -> None:
+        """The model's folder and config, the device, context length and EOS ids."""
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir, config.dtype)
+        self.device = device
+        self.max_model_len = self._max_model_len()
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+
+    def _init_core(self, num_blocks: int) -> None:
+        """The KV block pool of num_blocks blocks, the scheduler over it, the request map."""
+        config = self.config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv,
+        )
+        self.requests: dict[str, list[Request]] = {}  # request id -> its sequences
 
     def _max_model_len(self) -> int:
         cfg, wanted = self.model_config, self.config.max_model_len
