@@ -47,8 +47,13 @@ def hash_blocks(
     start: int = 0,
 ) -> list[int]:
     """Chained hashes of every full block of token_ids[start:], continuing from parent."""
+    num_blocks = (len(token_ids) - start) // block_size
+    data = _token_bytes(token_ids[start : start + num_blocks * block_size])
+    step = 4 * block_size
+    digest = xxhash.xxh3_64_intdigest
     hashes = []
-    for begin in range(start, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[begin : begin + block_size], extra)
+    for begin in range(0, len(data), step):
+        prefix = b"" if parent is None else parent.to_bytes(8, "little")
+        parent = digest(prefix + data[begin : begin + step] + extra, seed=HASH_SEED)
         hashes.append(parent)
     return hashes

@@ -6,6 +6,11 @@ import msgspec
 
 # The endpoint every engine worker serves and every frontend calls.
 GENERATE_ENDPOINT = "shoal.backend.generate"
+# The endpoint a worker answers with every block it caches (a router's resync).
+KV_STATE_ENDPOINT = "shoal.backend.kv_state"
+# Event-plane topics of a worker's publisher (its address: InstanceRecord.extra["kv_events"]).
+KV_EVENTS_TOPIC = "kv"
+LOAD_TOPIC = "load"
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -141,9 +146,28 @@ class LoadReport(msgspec.Struct, kw_only=True):
     worker_id: str
     num_running: int
     num_waiting: int
-    active_blocks: int
+    active_blocks: int  # blocks held by requests (cached but unreferenced blocks are free)
     total_blocks: int
     timestamp: float = 0.0
+
+
+class KVStateRequest(msgspec.Struct, kw_only=True):
+    """Router to worker: send every block you cache."""
+
+    reason: str = ""  # "start" | "gap": for the worker's log
+
+
+class KVStateDump(msgspec.Struct, kw_only=True):
+    """Every block a worker caches, as of the KV event batch numbered `seq`.
+
+    A router replaces what it knew of the worker with `block_hashes`, then applies the
+    worker's batches numbered above `seq`.
+    """
+
+    worker_id: str
+    seq: int
+    block_size: int
+    block_hashes: list[int]
 
 
 # ---------------------------------------------------------------------------------------------

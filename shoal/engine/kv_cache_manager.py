@@ -113,3 +113,12 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Hashes of every block in the prefix cache (what the KV events have announced)."""
+        return list(self.pool.cached)
+
+    @property
+    def num_active_blocks(self) -> int:
+        """Blocks referenced by requests."""
+        return self.num_blocks - self.pool.num_free

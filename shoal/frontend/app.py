@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry
 from starlette.responses import Response
 
 from shoal.frontend.engine_client import EngineClient
@@ -18,16 +19,21 @@ from shoal.frontend.serving import OpenAIServing, json_response
 
 
 def build_app(
-    client: EngineClient, *, api_key: str | None = None, max_concurrency: int | None = None
+    client: EngineClient,
+    *,
+    api_key: str | None = None,
+    max_concurrency: int | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> FastAPI:
     """The app: /v1/chat/completions, /v1/completions, /v1/models, /health, /live, /metrics.
 
     api_key: require `Authorization: Bearer <api_key>` on /v1. max_concurrency: answer 429
-    to a generation request arriving while that many are in flight.
+    to a generation request arriving while that many are in flight. registry: where the
+    app's metrics go (shared with the router's); /metrics serves all of it.
     """
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1 (got {max_concurrency})")
-    metrics = FrontendMetrics()
+    metrics = FrontendMetrics(registry)
     serving = OpenAIServing(client, metrics)
     app = FastAPI(title="shoal", summary="OpenAI-compatible LLM serving")
     app.state.metrics = metrics

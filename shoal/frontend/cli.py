@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 
-from shoal.router.policies import POLICIES
+from shoal.router.cli import add_router_args, router_options
 from shoal.runtime.cli import add_runtime_args
 
 
@@ -30,12 +30,6 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="HTTP port (default 8000) [env SHOAL_PORT]",
     )
     group.add_argument(
-        "--router-mode",
-        choices=POLICIES,
-        default=_env("SHOAL_ROUTER_MODE", "round-robin"),
-        help="how requests are spread over workers (default round-robin) [env SHOAL_ROUTER_MODE]",
-    )
-    group.add_argument(
         "--api-key",
         default=_env("SHOAL_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 [env SHOAL_API_KEY]",
@@ -54,6 +48,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish on SIGTERM (default 30) "
         "[env SHOAL_SHUTDOWN_TIMEOUT]",
     )
+    add_router_args(parser)
 
 
 def register(subparsers) -> None:
@@ -93,15 +88,24 @@ def run_frontend_command(args: argparse.Namespace) -> int:
 async def serve_frontend(args: argparse.Namespace, discovery: str) -> None:
     """Run the HTTP server until SIGTERM/SIGINT, then drain in-flight requests and stop."""
     import uvicorn
+    from prometheus_client import CollectorRegistry
 
     from shoal.frontend.app import build_app
     from shoal.frontend.worker_client import WorkerClient
     from shoal.runtime.distributed import DistributedRuntime
 
+    options = router_options(args)
+    registry = CollectorRegistry()
     runtime = DistributedRuntime(discovery)
+    client = None
     try:
-        client = await WorkerClient(runtime, args.router_mode).start()
-        app = build_app(client, api_key=args.api_key, max_concurrency=args.max_concurrency)
+        client = await WorkerClient(runtime, registry=registry, **options).start()
+        app = build_app(
+            client,
+            api_key=args.api_key,
+            max_concurrency=args.max_concurrency,
+            registry=registry,
+        )
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -113,4 +117,6 @@ async def serve_frontend(args: argparse.Namespace, discovery: str) -> None:
         logging.getLogger(__name__).info("frontend on http://%s:%d", args.host, args.port)
         await server.serve()
     finally:
+        if client is not None:
+            await client.close()
         await runtime.close()

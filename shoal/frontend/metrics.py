@@ -31,8 +31,8 @@ class ModelMetrics:
 
 
 class FrontendMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "shoal_requests",

@@ -1,5 +1,6 @@
-"""Choosing a worker for each request."""
+"""Routing: which worker serves each request (load-blind, load-aware and KV-cache-aware)."""
 
-from shoal.router.policies import POLICIES, RoutingPolicy, make_policy
+from shoal.router.factory import make_router
+from shoal.router.policies import POLICIES, Policy
 
-__all__ = ["POLICIES", "RoutingPolicy", "make_policy"]
+__all__ = ["POLICIES", "Policy", "make_router"]

@@ -1,6 +1,7 @@
-"""Load-blind and load-aware routing policies: round-robin, random, least-loaded.
+"""Routing policies behind one interface: round-robin, random, least-loaded (and `kv`).
 
-The KV-aware router plugs in behind the same interface: select(instances, request).
+A policy picks a worker for each request (`select`) and hears when the request's first
+token arrives and when it ends, which a load-predicting policy (the KV router) needs.
 """
 
 from __future__ import annotations
@@ -8,18 +9,31 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
-from typing import Protocol
 
 from shoal.protocol import EngineRequest, InstanceRecord
 
 
-class RoutingPolicy(Protocol):
+class Policy:
+    """The interface; the load-blind policies need none of the hooks."""
+
+    async def start(self, endpoint) -> None:
+        """Begin following `endpoint` (an EndpointClient) if the policy needs to."""
+
+    async def close(self) -> None:
+        pass
+
     def select(self, instances: list[InstanceRecord], request: EngineRequest) -> InstanceRecord:
         """Pick one of `instances` (never empty) for `request`."""
-        ...
+        raise NotImplementedError
+
+    def first_token(self, request_id: str) -> None:
+        """The request's first output arrived (its prefill is done)."""
+
+    def finished(self, request_id: str) -> None:
+        """The request ended, however it ended (called once per select)."""
 
 
-class RoundRobin:
+class RoundRobin(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
@@ -27,7 +41,7 @@ class RoundRobin:
         return instances[next(self._counter) % len(instances)]
 
 
-class Random:
+class Random(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
@@ -35,7 +49,7 @@ class Random:
         return self._rng.choice(instances)
 
 
-class LeastLoaded:
+class LeastLoaded(Policy):
     """The instance with the fewest requests in flight from this frontend; ties at random."""
 
     def __init__(self, load: Callable[[InstanceRecord], int], seed: int | None = None) -> None:
@@ -48,15 +62,4 @@ class LeastLoaded:
         return self._rng.choice([i for i, n in zip(instances, loads, strict=True) if n == least])
 
 
-POLICIES = ("round-robin", "random", "least-loaded")
-
-
-def make_policy(name: str, load: Callable[[InstanceRecord], int]) -> RoutingPolicy:
-    """A policy by name; `load` gives an instance's in-flight request count."""
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "random":
-        return Random()
-    if name == "least-loaded":
-        return LeastLoaded(load)
-    raise ValueError(f"unknown router mode {name!r} (choose from {', '.join(POLICIES)})")
+POLICIES = ("round-robin", "random", "least-loaded", "kv")

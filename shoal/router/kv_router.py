@@ -1,0 +1,264 @@
+"""The KV-cache-aware router: send each request where its prefix is cached, without overload.
+
+It follows the workers of the generate endpoint. From each worker's event-plane publisher
+it applies KV event batches to an index of who caches which block, and load reports to its
+own load prediction. Batches are numbered per worker; a router that joins late or sees a
+gap in the numbers asks the worker for a full dump (KV_STATE_ENDPOINT), holds the batches
+that arrive meanwhile, then applies those numbered after the dump.
+
+Without KV events (`use_kv_events=False`) the index is approximate: it remembers where the
+router itself sent each prefix, for a TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import Iterator
+
+from shoal.kv_hash import extra_key, hash_blocks
+from shoal.protocol import (
+    KV_EVENTS_TOPIC,
+    KV_STATE_ENDPOINT,
+    LOAD_TOPIC,
+    EngineRequest,
+    InstanceRecord,
+    KVEventBatch,
+    KVStateDump,
+    KVStateRequest,
+    LoadReport,
+)
+from shoal.router.approx import ApproxIndexer
+from shoal.router.indexer import KvIndexer
+from shoal.router.load import LoadTracker
+from shoal.router.metrics import RouterMetrics
+from shoal.router.policies import Policy
+from shoal.router.selector import KvRouterConfig, free_workers, select_worker
+from shoal.runtime.distributed import DistributedRuntime
+from shoal.runtime.endpoint_client import EndpointClient
+from shoal.runtime.event_plane import EventSubscriber
+
+log = logging.getLogger(__name__)
+
+RESYNC_RETRY = 0.5  # seconds between attempts to fetch a dump from a worker
+
+
+class AllWorkersBusy(Exception):
+    """Every candidate worker is over the busy threshold."""
+
+
+class _Feed:
+    """What the router follows of one worker's event stream."""
+
+    __slots__ = ("address", "pending", "record", "resync", "seq")
+
+    def __init__(self, record: InstanceRecord) -> None:
+        self.record = record
+        self.address = record.extra.get("kv_events")
+        self.seq = 0  # last KV batch applied (or covered by a dump)
+        self.resync: asyncio.Task | None = None  # a dump being fetched
+        self.pending: list[tuple[int, KVEventBatch]] = []  # batches that arrived meanwhile
+
+
+class KvRouter(Policy):
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        config: KvRouterConfig | None = None,
+        *,
+        use_kv_events: bool = True,
+        metrics: RouterMetrics | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.config = config or KvRouterConfig()
+        self.use_kv_events = use_kv_events
+        self.indexer: KvIndexer | ApproxIndexer = (
+            KvIndexer() if use_kv_events else ApproxIndexer(self.config.approx_ttl)
+        )
+        self.load = LoadTracker(block_size=16)  # the real size comes with the first worker
+        self.metrics = metrics or RouterMetrics()
+        self.metrics.watch_workers(self._sample_workers)
+        self._rng = random.Random(seed)
+        self._feeds: dict[str, _Feed] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._kv_sub: EventSubscriber[KVEventBatch] | None = None
+        self._load_sub: EventSubscriber[LoadReport] | None = None
+
+    # ---- lifecycle
+
+    async def start(self, endpoint: EndpointClient) -> None:
+        """Follow the workers of `endpoint` and their event streams."""
+        self._load_sub = EventSubscriber(LoadReport, [LOAD_TOPIC])
+        self._tasks.append(asyncio.create_task(self._read_load(), name="kv-router load"))
+        if self.use_kv_events:
+            self._kv_sub = EventSubscriber(KVEventBatch, [KV_EVENTS_TOPIC])
+            self._tasks.append(asyncio.create_task(self._read_kv(), name="kv-router events"))
+        endpoint.add_listener(self._on_instance)
+
+    async def close(self) -> None:
+        for feed in self._feeds.values():
+            if feed.resync is not None:
+                self._tasks.append(feed.resync)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sub in (self._kv_sub, self._load_sub):
+            if sub is not None:
+                sub.close()
+
+    def _on_instance(self, event) -> None:
+        record: InstanceRecord = event.instance
+        worker = record.instance_id
+        if event.kind == "added":
+            if worker in self._feeds:
+                return
+            feed = self._feeds[worker] = _Feed(record)
+            if record.card is not None:  # its size is known before its first load report
+                self.load.block_size = record.card.kv_block_size
+                self.load.report(
+                    LoadReport(
+                        worker_id=worker,
+                        num_running=0,
+                        num_waiting=0,
+                        active_blocks=0,
+                        total_blocks=record.card.num_kv_blocks,
+                    )
+                )
+            if feed.address is None:
+                log.warning("worker %s publishes no KV events or load", worker)
+                return
+            self._load_sub.connect(feed.address)
+            if self._kv_sub is not None:
+                self._kv_sub.connect(feed.address)
+                self._start_resync(feed, "start")
+            return
+        feed = self._feeds.pop(worker, None)
+        if feed is None:
+            return
+        if feed.resync is not None:
+            feed.resync.cancel()
+        if feed.address is not None:
+            for sub in (self._kv_sub, self._load_sub):
+                if sub is not None:
+                    with contextlib.suppress(Exception):
+                        sub.disconnect(feed.address)
+        self.indexer.remove_worker(worker)
+        self.load.remove_worker(worker)
+        log.info("worker %s left: dropped from the KV index", worker)
+
+    # ---- routing (the Policy interface)
+
+    def select(self, instances: list[InstanceRecord], request: EngineRequest) -> InstanceRecord:
+        """The instance with the lowest cost; raises AllWorkersBusy if all are over threshold."""
+        t0 = time.perf_counter()
+        prompt = request.prompt_token_ids
+        block_size = instances[0].card.kv_block_size if instances[0].card else self.load.block_size
+        hashes = hash_blocks(prompt, block_size, extra_key(request.lora_id))
+        t1 = time.perf_counter()
+        by_id = {i.instance_id: i for i in instances}
+        candidates = free_workers(list(by_id), self.load, self.config)
+        if not candidates:
+            self.metrics.busy_rejections.inc()
+            raise AllWorkersBusy(f"all {len(by_id)} workers are over the busy threshold")
+        overlaps = self.indexer.overlaps(hashes)
+        prompt_blocks = math.ceil(len(prompt) / block_size)
+        worker = select_worker(
+            candidates, prompt_blocks, overlaps, self.load, self.config, self._rng
+        )
+        cached = overlaps.get(worker, 0)
+        self.load.add(request.request_id, worker, prompt_blocks, len(prompt) - cached * block_size)
+        if isinstance(self.indexer, ApproxIndexer):
+            self.indexer.record(worker, hashes)
+        t2 = time.perf_counter()
+        m = self.metrics
+        m.routed.inc()
+        m.prompt_blocks.inc(len(hashes))
+        m.cached_blocks.inc(cached)
+        m.hash_seconds.observe(t1 - t0)
+        m.select_seconds.observe(t2 - t1)
+        return by_id[worker]
+
+    def first_token(self, request_id: str) -> None:
+        self.load.first_token(request_id)
+
+    def finished(self, request_id: str) -> None:
+        self.load.finish(request_id)
+
+    # ---- event streams
+
+    async def _read_load(self) -> None:
+        async for event in self._load_sub:
+            report = event.message
+            if report.worker_id in self._feeds:
+                self.load.report(report)
+
+    async def _read_kv(self) -> None:
+        async for event in self._kv_sub:
+            feed = self._feeds.get(event.message.worker_id)
+            if feed is not None:
+                self._on_batch(feed, event.seq, event.message)
+
+    def _on_batch(self, feed: _Feed, seq: int, batch: KVEventBatch) -> None:
+        if feed.resync is not None:
+            feed.pending.append((seq, batch))
+        elif seq <= feed.seq:
+            return  # already covered by a dump
+        elif seq != feed.seq + 1:
+            log.warning(
+                "worker %s: KV batch %d after %d; resyncing", batch.worker_id, seq, feed.seq
+            )
+            self._start_resync(feed, "gap")
+            feed.pending.append((seq, batch))
+        else:
+            self.indexer.apply_batch(batch.worker_id, batch.events)
+            self.metrics.events_applied.inc(len(batch.events))
+            feed.seq = seq
+
+    def _start_resync(self, feed: _Feed, reason: str) -> None:
+        self.metrics.resyncs.labels(reason).inc()
+        feed.resync = asyncio.create_task(
+            self._resync(feed, reason), name=f"kv-router resync {feed.record.instance_id}"
+        )
+
+    async def _resync(self, feed: _Feed, reason: str) -> None:
+        worker = feed.record.instance_id
+        while True:
+            try:
+                dump = await self._fetch_dump(feed.record, reason)
+                break
+            except Exception as e:  # the worker may be starting, busy or gone: try again
+                log.info("KV state of worker %s not available yet (%s)", worker, e)
+                await asyncio.sleep(RESYNC_RETRY)
+            if self._feeds.get(worker) is not feed:
+                return
+        if self._feeds.get(worker) is not feed:
+            return
+        self.indexer.load_dump(worker, dump.block_hashes)
+        feed.seq = dump.seq
+        pending, feed.pending, feed.resync = feed.pending, [], None
+        for seq, batch in pending:
+            self._on_batch(feed, seq, batch)
+
+    async def _fetch_dump(self, record: InstanceRecord, reason: str) -> KVStateDump:
+        stream = self.runtime.requests.stream(
+            record.address, KV_STATE_ENDPOINT, KVStateRequest(reason=reason), KVStateDump
+        )
+        async with stream:
+            async for dump in stream:
+                return dump
+        raise RuntimeError("the worker sent no dump")
+
+    def _sample_workers(self) -> Iterator[tuple[str, float, float, int]]:
+        load = self.load
+        for worker in list(self._feeds):
+            yield (
+                worker,
+                load.decode_blocks(worker),
+                load.prefill_blocks(worker) * load.block_size,
+                self.indexer.num_blocks(worker),
+            )

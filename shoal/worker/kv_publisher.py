@@ -1,0 +1,65 @@
+"""A worker's event-plane voice: its engine's KV events, its load, and full-state dumps.
+
+Everything here runs in the engine thread (after a step, or through AsyncLLM.call), so the
+block pool is never read while a step changes it, and a dump's `seq` is exactly the last
+KV batch it includes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from shoal.engine.llm_engine import LLMEngine
+from shoal.protocol import (
+    KV_EVENTS_TOPIC,
+    LOAD_TOPIC,
+    KVEventBatch,
+    KVStateDump,
+    LoadReport,
+)
+from shoal.runtime.event_plane import EventPublisher
+
+
+class KVPublisher:
+    def __init__(self, worker_id: str, host: str = "127.0.0.1") -> None:
+        self.worker_id = worker_id
+        self._publisher = EventPublisher(host)
+        self.address = self._publisher.address
+        self.seq = 0  # sequence number of the last KV event batch sent
+
+    def publish_events(self, engine: LLMEngine) -> None:
+        """Send the KV events of the steps since the last call as one batch (if any)."""
+        events = engine.take_kv_events()
+        if events:
+            self.seq += 1  # this publisher's only source of KV batches: its frame seq agrees
+            batch = KVEventBatch(
+                timestamp=time.time(), events=events, seq=self.seq, worker_id=self.worker_id
+            )
+            self._publisher.publish(KV_EVENTS_TOPIC, batch)
+
+    def publish_load(self, engine: LLMEngine) -> None:
+        kv = engine.kv
+        self._publisher.publish(
+            LOAD_TOPIC,
+            LoadReport(
+                worker_id=self.worker_id,
+                num_running=engine.num_running,
+                num_waiting=engine.num_waiting,
+                active_blocks=kv.num_active_blocks,
+                total_blocks=kv.num_blocks,
+                timestamp=time.time(),
+            ),
+        )
+
+    def dump(self, engine: LLMEngine) -> KVStateDump:
+        """Every cached block, after sending pending events so `seq` covers them."""
+        self.publish_events(engine)
+        return KVStateDump(
+            worker_id=self.worker_id,
+            seq=self.seq,
+            block_size=engine.kv.block_size,
+            block_hashes=engine.kv.cached_block_hashes(),
+        )
+
+    def close(self) -> None:
+        self._publisher.close()
