@@ -35,6 +35,7 @@ class RequestRecord:
     chunks: int = 0
     input_tokens_server: int | None = None
     output_tokens_server: int | None = None
+    cached_tokens_server: int | None = None  # usage.prompt_tokens_details.cached_tokens
     finish_reason: str | None = None
     status: int | None = None
     error_kind: str | None = None
@@ -250,6 +251,8 @@ class OpenAIClient:
         if usage:
             record.input_tokens_server = usage.get("prompt_tokens")
             record.output_tokens_server = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            record.cached_tokens_server = details.get("cached_tokens")
         got_text = False
         for choice in chunk.get("choices") or ():
             if self.chat:

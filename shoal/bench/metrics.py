@@ -109,6 +109,16 @@ def output_token_check(records: Sequence[RequestRecord], exact: bool) -> dict[st
     }
 
 
+def prefix_cache_hits(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """Prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)."""
+    known = [r for r in records if r.cached_tokens_server is not None and r.input_tokens_server]
+    if not known:
+        return None
+    cached = sum(r.cached_tokens_server for r in known)
+    total = sum(r.input_tokens_server for r in known)
+    return {"requests": len(known), "cached_tokens": cached, "hit_rate": cached / total}
+
+
 def summarize(
     records: Sequence[RequestRecord],
     slo: dict[str, float] | None = None,
@@ -157,6 +167,7 @@ def summarize(
             "output_check": output_token_check(records, exact_output),
         },
         "schedule_lag_ms": stats((r.start_s - r.scheduled_s) * 1e3 for r in sent),
+        "prefix_cache": prefix_cache_hits(ok),
         "goodput": None,
     }
     if slo:

@@ -21,8 +21,8 @@ LATENCY_ROWS = (
 REQUEST_COLUMNS = (
     "run", "index", "session", "turn", "scheduled_s", "start_s", "end_s", "ttft_ms", "tpot_ms",
     "e2e_ms", "itl_mean_ms", "itl_max_ms", "chunks", "input_tokens", "input_tokens_server",
-    "output_tokens_server", "max_tokens", "messages", "finish_reason", "status", "error_kind",
-    "error",
+    "output_tokens_server", "cached_tokens_server", "max_tokens", "messages", "finish_reason",
+    "status", "error_kind", "error",
 )  # fmt: skip
 
 
@@ -100,6 +100,7 @@ def summary_row(run: Run) -> dict[str, Any]:
         "mean_in_flight": s["mean_in_flight"],
         **s["throughput"],
         "goodput_requests_per_s": (s["goodput"] or {}).get("requests_per_s"),
+        "prefix_cache_hit_rate": (s.get("prefix_cache") or {}).get("hit_rate"),
         "goodput_fraction": (s["goodput"] or {}).get("fraction"),
     }
     for key, _ in LATENCY_ROWS:
@@ -153,6 +154,12 @@ def format_run(run: Run) -> str:
         lines.append(f"{name:20}{values}")
     lines.append("")
     lines.extend(_token_lines(s["tokens"]))
+    cache = s.get("prefix_cache")
+    if cache:
+        lines.append(
+            f"prefix cache {cache['hit_rate']:.1%} of prompt tokens were cached on the server "
+            f"({cache['cached_tokens']:,} tokens, {cache['requests']} requests)"
+        )
     for kind, n in req["error_kinds"].items():
         lines.append(f"errors      {kind}: {n}   e.g. {req['error_examples'][kind]}")
     return "\n".join(lines)

@@ -37,6 +37,7 @@ def check_run(run: dict, num_requests: int, exact_output: int | None) -> None:
         assert 0 < s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"]
     for record in run["requests"]:
         assert record["output_tokens"] == record["output_tokens_server"]
+        assert 0 <= record["cached_tokens_server"] <= record["input_tokens_server"]
         if exact_output is not None:
             assert record["output_tokens"] == exact_output
 
@@ -64,6 +65,11 @@ def check_run(run: dict, num_requests: int, exact_output: int | None) -> None:
 def test_shapes_and_synthetic_workloads(url, llama_dir, tmp_path, shape, workload):
     (run,) = bench(url, llama_dir, tmp_path, "--num-requests", "24", *shape, *workload)
     check_run(run, 24, exact_output=12)
+    cache = run["summary"]["prefix_cache"]
+    assert cache["requests"] == 24
+    assert cache["cached_tokens"] == sum(r["cached_tokens_server"] for r in run["requests"])
+    if "shared-prefix" in workload:  # 8 prefixes of 64 tokens over 24 requests: reuse
+        assert cache["hit_rate"] > 0.1
 
 
 def test_sweep(url, llama_dir, tmp_path):
