@@ -1,0 +1,65 @@
+"""MockEngine: the real engine core (scheduler, KV block pool, prefix cache, KV events,
+preemption, abort) with MockRunner in place of the model.
+
+No weights are read: a model folder with config.json and the tokenizer files is enough.
+The KV pool has config.num_gpu_blocks blocks, by default as many as Llama-3.1-8B gets on
+one H100 at 0.9 memory utilisation. Nothing touches a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.llm_engine import LLMEngine
+from shoal.mocker.runner import MockRunner
+from shoal.mocker.timing import TimingModel
+from shoal.protocol import EngineOutput
+from shoal.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+H100_8B_KV_TOKENS = 444_896  # Llama-3.1-8B bf16, one H100 80GB, gpu_memory_utilization 0.9
+
+
+class MockEngine(LLMEngine):
+    def __init__(
+        self, config: EngineConfig, timing: TimingModel | None = None, speedup: float = 1.0
+    ) -> None:
+        self._init_config(config, torch.device("cpu"))
+        num_blocks = config.num_gpu_blocks or H100_8B_KV_TOKENS // config.block_size
+        self._init_core(num_blocks)
+        vocab = sampling_vocab(
+            Path(config.tokenizer or self.model_dir),
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+        )
+        self.runner = MockRunner(vocab, timing or TimingModel(), speedup, config.seed)
+        log.info(
+            "mocker ready: %s, %d KV blocks of %d tokens, speedup %g, %s",
+            self.model_config.architecture,
+            num_blocks,
+            config.block_size,
+            speedup,
+            self.runner.timing,
+        )
+
+    def step(self) -> list[EngineOutput]:
+        started = time.perf_counter()
+        outputs = super().step()
+        self.runner.pace(started)
+        return outputs
+
+
+def sampling_vocab(tokenizer_dir: Path, model_vocab_size: int, eos: frozenset[int]) -> list[int]:
+    """Token ids the mocker emits: the tokenizer's tokens that the model's vocabulary holds,
+    except EOS ids and special tokens."""
+    tokenizer = TextTokenizer(tokenizer_dir)
+    special = {i for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items() if t.special}
+    excluded = special | eos | {tokenizer.eos_token_id}
+    size = min(tokenizer.vocab_size, model_vocab_size)
+    return [i for i in range(size) if i not in excluded]
