@@ -15,6 +15,7 @@ import tempfile
 from shoal.engine.cli import add_engine_args, engine_options
 from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontend
 from shoal.runtime.cli import add_runtime_args
+from shoal.worker.cli import add_engine_choice_args, engine_choice_argv
 
 log = logging.getLogger("shoal.serve")
 
@@ -27,6 +28,7 @@ def register(subparsers) -> None:
         "processes, wired through local discovery. No outside services are needed.",
     )
     add_engine_args(p)
+    add_engine_choice_args(p)
     add_frontend_args(p)
     add_runtime_args(p)
     p.add_argument(
@@ -52,6 +54,7 @@ def worker_argv(args: argparse.Namespace, discovery: str) -> list[str]:
             argv.append(flag if value else flag.replace("--", "--no-", 1))
         else:
             argv += [flag, str(value)]
+    argv += engine_choice_argv(args)
     argv += ["--discovery", discovery, "--served-model-name", args.served_model_name or args.model]
     return argv
 

@@ -4,11 +4,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 
 from shoal.engine.cli import add_engine_args, engine_options
+from shoal.mocker.cli import add_mocker_args, mocker_argv, mocker_options
 from shoal.runtime.cli import add_runtime_args
+
+ENGINES = ("shoal", "mocker")
+
+
+def add_engine_choice_args(parser: argparse.ArgumentParser) -> None:
+    """--engine, and the mocker's flags that go with it."""
+    default = os.environ.get("SHOAL_ENGINE", "shoal")
+    if default not in ENGINES:
+        raise SystemExit(f"SHOAL_ENGINE={default!r}: expected one of {', '.join(ENGINES)}")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=default,
+        help="shoal: the model on a GPU (or CPU); mocker: the real scheduler and KV cache "
+        "with a timing model instead of the model, see docs/mocker.md (default shoal) "
+        "[env SHOAL_ENGINE]",
+    )
+    add_mocker_args(parser)
+
+
+def engine_choice_argv(args: argparse.Namespace) -> list[str]:
+    """--engine and the mocker flags given, as command-line words for a `shoal worker`."""
+    return ["--engine", args.engine, *mocker_argv(args)]
 
 
 def register(subparsers) -> None:
@@ -19,6 +44,7 @@ def register(subparsers) -> None:
         "routed by `shoal frontend`. SIGTERM unregisters, drains in-flight requests, exits.",
     )
     add_engine_args(p)
+    add_engine_choice_args(p)
     add_runtime_args(p)
     p.add_argument(
         "--served-model-name",
@@ -58,9 +84,15 @@ def run_worker(args: argparse.Namespace) -> int:
     if not args.discovery:
         raise SystemExit("--discovery is required for a standalone worker (or use `shoal serve`)")
     config = EngineConfig(model=args.model, **engine_options(args))
+    if args.engine == "mocker":
+        from shoal.mocker.engine import MockEngine
+
+        make_engine = functools.partial(MockEngine, config, **mocker_options(args))
+    else:
+        make_engine = functools.partial(LLMEngine, config)
     asyncio.run(
         serve_worker(
-            lambda: LLMEngine(config),
+            make_engine,
             args.served_model_name or args.model,
             args.discovery,
             host=args.host,
