@@ -40,12 +40,16 @@ def worker_pids(serve_pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-def start_serve(model: Path, folder: Path, workers: int) -> tuple[subprocess.Popen, str, Path]:
-    """`shoal serve` of the tiny model as "tiny", once healthy with all its workers."""
+def start_serve(
+    model: Path, folder: Path, workers: int, extra_args: list[str] | None = None
+) -> tuple[subprocess.Popen, str, Path]:
+    """`shoal serve` of the tiny model as "tiny", once healthy with all its workers;
+    extra_args are more `shoal serve` flags."""
     port = free_port()
     argv = [sys.executable, "-m", "shoal", "serve", "--model", str(model)]
     argv += ["--workers", str(workers), "--port", str(port), "--discovery", f"file://{folder}"]
     argv += ["--device", "cpu", "--served-model-name", "tiny", "--shutdown-timeout", "5"]
+    argv += extra_args or []
     proc = subprocess.Popen(argv, env={**os.environ, "SHOAL_DRAIN_TIMEOUT": "5"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90

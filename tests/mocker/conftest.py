@@ -1,0 +1,50 @@
+"""Model folders with no weights (config.json + tokenizer files): all the mocker needs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import ARCHITECTURES, BASE, VOCAB_SIZE, write_tokenizer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))  # serve_helpers
+
+LLAMA_8B = dict(  # Llama-3.1-8B's config.json fields that the engine reads
+    architectures=["LlamaForCausalLM"],
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    bos_token_id=128000,
+    eos_token_id=[128001, 128008, 128009],
+    torch_dtype="bfloat16",
+)
+
+
+def write_config_only(path: Path, config: dict) -> Path:
+    write_tokenizer(path)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def mock_dir(tmp_path_factory) -> Path:
+    """The tiny llama's config and tokenizer (EOS ids 1 and 3), without its weights."""
+    path = write_config_only(
+        tmp_path_factory.mktemp("mock-tiny"),
+        {**BASE, **ARCHITECTURES["llama"], "vocab_size": VOCAB_SIZE},
+    )
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_8b_dir(tmp_path_factory) -> Path:
+    """Llama-3.1-8B's shape with the tiny tokenizer: what the timing defaults model."""
+    return write_config_only(tmp_path_factory.mktemp("mock-8b"), LLAMA_8B)
