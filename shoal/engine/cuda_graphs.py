@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.layers.attention import AttentionMetadata
 from shoal.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from shoal.engine.model_runner import BatchInputs
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +91,22 @@ class DecodeGraphs:
         )
         return elapsed
 
-    def replay(self, batch: BatchInputs) -> torch.Tensor:
-        num = len(batch.query_lens)
+    def replay(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run a decode batch (device tensors, one token per sequence) through its graph."""
+        num = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num)
-        width = batch.block_table.shape[1]
-        self.input_ids[:num].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
-        self.positions[:num].copy_(torch.from_numpy(batch.positions), non_blocking=True)
-        self.slots[:num].copy_(torch.from_numpy(batch.slots), non_blocking=True)
-        self.block_tables[:num, :width].copy_(
-            torch.from_numpy(batch.block_table), non_blocking=True
-        )
-        self.seq_lens[:num].copy_(torch.from_numpy(batch.seq_lens), non_blocking=True)
+        self.input_ids[:num].copy_(input_ids)
+        self.positions[:num].copy_(positions)
+        self.slots[:num].copy_(slots)
+        self.block_tables[:num, : block_table.shape[1]].copy_(block_table)
+        self.seq_lens[:num].copy_(seq_lens)
         if size > num:
             self.slots[num:size].fill_(-1)
             self.seq_lens[num:size].zero_()

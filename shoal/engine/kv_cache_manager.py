@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from shoal.engine.block_pool import BlockPool, KVBlock
+from shoal.engine.block_table import BlockTable
 from shoal.engine.request import Request
 from shoal.protocol import KVEvent
 
@@ -26,6 +29,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, block_size)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.block_table = BlockTable()  # the same block ids, one numpy row per request
+        self.rows: dict[str, int] = {}  # request id -> its row of block_table
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request in the cache
         self.stats = PrefixCacheStats()
 
@@ -64,19 +69,28 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
     ) -> bool:
         """Give the request blocks for num_new_tokens more tokens; False if the pool is short."""
-        computed = computed or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        if not computed:
+            if request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+                return True  # the tokens fit in the blocks it holds (most decode steps)
+            computed = []
         total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         needed = self.blocks_needed(total) - len(blocks) - len(computed)
         reclaimable = sum(1 for b in computed if b.ref_cnt == 0)
         if needed > self.pool.num_free - reclaimable:
             return False
+        new = computed
         if computed:
             self.pool.touch(computed)
-            blocks.extend(computed)
-            self.num_cached_blocks[request.request_id] = len(blocks)
+            self.num_cached_blocks[rid] = len(blocks) + len(computed)
         if needed > 0:
-            blocks.extend(self.pool.allocate(needed))
+            new = new + self.pool.allocate(needed)
+        blocks.extend(new)
+        row = self.rows.get(rid)
+        if row is None:
+            row = self.rows[rid] = self.block_table.add_row()
+        self.block_table.append(row, [b.block_id for b in new])
         return True
 
     def cache_blocks(self, request: Request) -> None:
@@ -104,9 +118,17 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+        row = self.rows.pop(request.request_id, None)
+        if row is not None:
+            self.block_table.free_row(row)
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks[request.request_id]]
+
+    def table_rows(self, requests: list[Request]) -> np.ndarray:
+        """The block_table row of each request (each must hold blocks)."""
+        rows = self.rows
+        return np.fromiter((rows[r.request_id] for r in requests), np.intp, len(requests))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -211,20 +211,22 @@ class LLMEngine:
         if not sched.requests:
             return []
         result = self.runner.execute(sched)
+        sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
         finished: list[Request] = []
         touched: list[Request] = []
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
-            prompt_lps = result.prompt_logprobs.get(req.request_id)
+            rid = req.request_id
+            prompt_lps = prompt_logprobs.get(rid) if prompt_logprobs else None
             if prompt_lps and len(req.prompt_logprobs) == req.num_computed_tokens:
                 req.prompt_logprobs += prompt_lps  # (a recompute after preemption adds none)
             req.num_computed_tokens += n
             self.kv.cache_blocks(req)
-            token = result.sampled.get(req.request_id)
+            token = sampled.get(rid)
             if token is None:
                 continue
             req.append_token(token)
-            if req.request_id in result.logprobs:
-                req.new_logprobs.append(result.logprobs[req.request_id])
+            if logprobs and rid in logprobs:
+                req.new_logprobs.append(logprobs[rid])
             touched.append(req)
             if req.check_stop(self.max_model_len):
                 finished.append(req)

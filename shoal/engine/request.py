@@ -49,6 +49,15 @@ class Request:
         self.extra_key = extra_key
         self.lora_id = lora_id
         self.leader = leader  # a sibling whose prompt blocks this one waits to share
+        # greedy without penalties, min_tokens or logprobs: the argmax of the logits alone
+        self.argmax_only = (
+            sampling.greedy
+            and sampling.logprobs is None
+            and sampling.min_tokens == 0
+            and sampling.repetition_penalty == 1.0
+            and not sampling.presence_penalty
+            and not sampling.frequency_penalty
+        )
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
@@ -97,12 +106,12 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> bool:
         """Decide, after a token was appended, whether this sequence is done."""
-        last = self.all_token_ids[-1]
-        n_out = self.num_output_tokens
-        if n_out >= self.sampling.min_tokens and last in self.stop_token_ids:
+        tokens = self.all_token_ids
+        last, n_out = tokens[-1], len(tokens) - self.num_prompt_tokens
+        if last in self.stop_token_ids and n_out >= self.sampling.min_tokens:
             self.finish_reason = "stop"
             self.stop_reason = None if last in self._eos_only() else last
-        elif n_out >= self.max_tokens or self.num_tokens >= max_model_len:
+        elif n_out >= self.max_tokens or len(tokens) >= max_model_len:
             self.finish_reason = "length"
         return self.finish_reason is not None
 

@@ -28,6 +28,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token per row of logits [B, vocab]; row i belongs to requests[i]."""
+        if all(r.argmax_only for r in requests):
+            # float32 holds every bf16/fp16 value exactly, so no float copy is needed first
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling.logprobs is not None for r in requests):

@@ -55,12 +55,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        running, allocate_slots = self.running, self.kv.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            while not allocate_slots(request, num_new):
+                victim = running.pop()
                 self._preempt(victim, out)
                 if victim is request:
                     break

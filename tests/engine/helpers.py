@@ -56,3 +56,4 @@ def assert_no_leaks(llm: LLM) -> None:
     assert kv.num_free_blocks == kv.num_blocks
     assert not kv.req_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert not kv.rows and not kv.block_table.table.any()

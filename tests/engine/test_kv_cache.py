@@ -1,6 +1,7 @@
 """Block pool and KV cache manager: LRU eviction, O(1) hit removal, events, leaks."""
 
 from shoal.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from shoal.engine.block_table import BlockTable
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request
 from shoal.kv_hash import hash_blocks
@@ -98,3 +99,32 @@ def test_reset_prefix_cache_only_when_idle():
     assert not pool.reset_prefix_cache()
     pool.free([block])
     assert pool.reset_prefix_cache()
+
+
+def test_block_table_grows_and_clears_freed_rows():
+    table = BlockTable(num_rows=2, width=2)
+    rows = [table.add_row() for _ in range(3)]
+    assert rows == [0, 1, 2] and table.table.shape[0] == 4
+    table.append(rows[2], [7, 8])
+    table.append(rows[2], [9])
+    assert table.table.shape[1] >= 3 and table.table[2, :3].tolist() == [7, 8, 9]
+    table.free_row(rows[2])
+    assert not table.table.any() and table.lengths[2] == 0
+    assert table.add_row() == rows[2]
+
+
+def test_block_table_rows_follow_allocation_and_free():
+    kv = KVCacheManager(num_blocks=16, block_size=2, enable_caching=True)
+    a, b = make_request("a", [1, 2, 3, 4, 5]), make_request("b", [1, 2, 3, 4, 6, 7])
+    run_prefill(kv, a)
+    run_prefill(kv, b)  # two prefix-cache hits, then blocks of its own
+    for req in (a, b):
+        req.append_token(9)
+        assert kv.allocate_slots(req, 1)
+    rows = kv.table_rows([a, b])
+    for req, row in zip((a, b), rows.tolist(), strict=True):
+        ids = kv.block_ids(req)
+        assert kv.block_table.table[row, : len(ids)].tolist() == ids
+        assert kv.block_table.lengths[row] == len(ids)
+    kv.free(a)
+    assert not kv.block_table.table[rows[0]].any() and "a" not in kv.rows
