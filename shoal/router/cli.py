@@ -35,9 +35,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-prefill-load-scale",
         type=float,
-        default=_env_float("SHOAL_KV_PREFILL_LOAD_SCALE", 1.0),
+        default=_env_float("SHOAL_KV_PREFILL_LOAD_SCALE", 4.0),
         help="kv mode: weight of prefill work (new tokens to compute) against KV memory held "
-        "by running requests; higher protects TTFT, lower protects ITL (default 1.0) "
+        "by running requests; higher protects TTFT, lower protects ITL and memory (default 4.0) "
         "[env SHOAL_KV_PREFILL_LOAD_SCALE]",
     )
     g.add_argument(

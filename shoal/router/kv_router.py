@@ -171,7 +171,8 @@ class KvRouter(Policy):
             candidates, prompt_blocks, overlaps, self.load, self.config, self._rng
         )
         cached = overlaps.get(worker, 0)
-        self.load.add(request.request_id, worker, prompt_blocks, len(prompt) - cached * block_size)
+        new_tokens = len(prompt) - cached * block_size
+        self.load.add(request.request_id, worker, prompt_blocks - cached, new_tokens)
         if isinstance(self.indexer, ApproxIndexer):
             self.indexer.record(worker, hashes)
         t2 = time.perf_counter()

@@ -4,18 +4,22 @@ Sending a request of `prompt_blocks` blocks to worker w, whose prefix cache alre
 `cached` of its leading blocks, costs (in blocks)
 
     prefill_load_scale * max(prefill_blocks(w) + prompt_blocks - overlap_credit * cached, 0)
-    + decode_blocks(w) + prompt_blocks
+    + decode_blocks(w) + (prompt_blocks - cached)
 
 The first term is the prompt work w must get through before this request's first token
 (the prefills queued there plus this prompt, less what its cache saves); the second is the
-KV memory w would hold with this request added. The weights (KvRouterConfig) trade:
+KV memory w would hold with this request added (its cached blocks are there already, and
+requests sharing them share the memory). The weights (KvRouterConfig) trade:
 
 - overlap_credit: what one cached block is worth against one block still to prefill.
   Higher favours cache hits (follow the prefix even to a busier worker); lower favours
-  balance; 0 ignores the cache altogether.
+  balance; 0 counts cached blocks only as memory already held.
 - prefill_load_scale: prefill work against decode memory load. Higher protects time to
   first token (shun workers with long prefill queues); lower protects inter-token latency
-  and KV memory (shun workers holding many blocks).
+  and KV memory (shun workers holding many blocks). The default, 4, reflects time: on
+  Llama-3.1-8B on one H100 prefilling a block of 16 tokens takes ~370 us, while a block
+  held by a running request costs ~0.6 us of KV reads per decode step, ~50 us over an
+  80-token reply; 4 rather than 7 leaves a margin for KV memory.
 - temperature: randomness. 0 takes the cheapest worker, ties at random; above 0 samples
   from softmax(-(cost / max cost) / temperature), spreading load over near-equal workers
   instead of piling every request onto the one that is cheapest by a hair.
@@ -36,7 +40,7 @@ from shoal.router.load import LoadTracker
 @dataclass
 class KvRouterConfig:
     overlap_credit: float = 1.0
-    prefill_load_scale: float = 1.0
+    prefill_load_scale: float = 4.0  # see the module docstring
     temperature: float = 0.0
     busy_threshold: float | None = None  # fraction of a worker's KV blocks active
     max_waiting: int | None = None  # requests queued on a worker
@@ -78,9 +82,8 @@ def cost(
 ) -> float:
     """The module docstring's cost of sending the request to `worker`."""
     prefill = load.prefill_blocks(worker) + prompt_blocks - config.overlap_credit * cached
-    return (
-        config.prefill_load_scale * max(prefill, 0.0) + load.decode_blocks(worker) + prompt_blocks
-    )
+    new_blocks = prompt_blocks - cached  # the cached ones are resident there already
+    return config.prefill_load_scale * max(prefill, 0.0) + load.decode_blocks(worker) + new_blocks
 
 
 def select_worker(

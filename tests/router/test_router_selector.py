@@ -26,39 +26,39 @@ def loaded(decode: dict[str, int] | None = None, prefill: dict[str, int] | None 
 
 
 def pick(load, overlaps, prompt_blocks=10, seed=0, **config) -> str:
-    return select_worker(
-        ["a", "b"], prompt_blocks, overlaps, load, KvRouterConfig(**config), random.Random(seed)
-    )
+    """The choice between a and b; the arithmetic in the tests below is at prefill scale 1."""
+    config = KvRouterConfig(**{"prefill_load_scale": 1.0, **config})
+    return select_worker(["a", "b"], prompt_blocks, overlaps, load, config, random.Random(seed))
 
 
 def test_cost_formula():
     load = loaded(decode={"a": 7}, prefill={"a": 3})
     config = KvRouterConfig(overlap_credit=0.5, prefill_load_scale=2.0)
-    # 2 * max(3 + 10 - 0.5 * 8, 0) + (7 + 10)
-    assert cost("a", 10, 8, load, config) == 2 * 9 + 17
+    # 2 * max(3 + 10 - 0.5 * 8, 0) + (7 + 10 - 8)
+    assert cost("a", 10, 8, load, config) == 2 * 9 + 9
     # a credit larger than the work left clamps the prefill term at 0
-    assert cost("a", 10, 10, load, KvRouterConfig(overlap_credit=3.0)) == 0 + 17
+    assert cost("a", 10, 10, load, KvRouterConfig(overlap_credit=3.0)) == 0 + 7
 
 
 def test_equal_loads_pick_the_worker_holding_the_prefix():
-    # a: max(10 - 8, 0) + 10 = 12; b: 10 + 10 = 20
+    # a: max(10 - 8, 0) + (10 - 8) = 4; b: 10 + 10 = 20
     for seed in range(20):
         assert pick(loaded(), {"a": 8}, seed=seed) == "a"
 
 
 def test_cached_worker_loaded_beyond_the_credit_loses():
-    # 8 cached blocks are worth 8 blocks of load. a holds 20 more decode blocks than b:
-    # a: 2 + (20 + 10) = 32; b: 10 + 10 = 20.
+    # 8 cached blocks save 8 blocks of prefill and 8 of new memory. a holds 20 more decode
+    # blocks than b: a: 2 + (20 + 2) = 24; b: 10 + 10 = 20.
     assert pick(loaded(decode={"a": 20}), {"a": 8}) == "b"
-    # 5 more blocks is less than the credit: a: 2 + 15 = 17 < 20.
-    assert pick(loaded(decode={"a": 5}), {"a": 8}) == "a"
+    # 15 more blocks is less than the saving: a: 2 + 17 = 19 < 20.
+    assert pick(loaded(decode={"a": 15}), {"a": 8}) == "a"
 
 
 def test_overlap_credit_scales_what_a_cached_block_is_worth():
-    load = loaded(decode={"a": 5})
-    # credit 0.25: a: (10 - 2) + 15 = 23 > b: 20
+    load = loaded(decode={"a": 11})
+    # credit 0.25: a: (10 - 2) + (11 + 2) = 21 > b: 20
     assert pick(load, {"a": 8}, overlap_credit=0.25) == "b"
-    # credit 1: a: 2 + 15 = 17 < 20
+    # credit 1: a: 2 + 13 = 15 < 20
     assert pick(load, {"a": 8}, overlap_credit=1.0) == "a"
 
 
@@ -73,15 +73,16 @@ def test_prefill_load_scale_trades_prefill_queue_against_decode_memory():
 def test_ties_are_broken_at_random():
     chosen = {pick(loaded(), {}, seed=seed) for seed in range(40)}
     assert chosen == {"a", "b"}
-    # a cache ignored by a zero credit leaves the workers tied
-    chosen = {pick(loaded(), {"a": 8}, seed=seed, overlap_credit=0.0) for seed in range(40)}
+    # with a zero credit the cache only saves memory: a: 10 + (8 + 2) = 20 = b: 10 + 10
+    load = loaded(decode={"a": 8})
+    chosen = {pick(load, {"a": 8}, seed=seed, overlap_credit=0.0) for seed in range(40)}
     assert chosen == {"a", "b"}
 
 
 def test_temperature_samples_the_softmax_of_normalized_costs():
     workers = ["a", "b", "c"]
     load = loaded(decode={"a": 8, "b": 13, "c": 18})
-    config = KvRouterConfig(temperature=0.2)
+    config = KvRouterConfig(temperature=0.2, prefill_load_scale=1.0)
     costs = [2 + 8 + 2, 2 + 13 + 2, 2 + 18 + 2]  # prompt of 2 blocks, nothing cached
     assert [cost(w, 2, 0, load, config) for w in workers] == costs
     weights = [math.exp(-c / max(costs) / 0.2) for c in costs]

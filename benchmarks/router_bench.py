@@ -1,0 +1,276 @@
+"""Router benchmark: N mocker workers behind one frontend, each router mode on each workload.
+
+For every workload (shared prefix, multi-turn, the Mooncake conversation trace scaled to
+fit) and every router mode, it starts `shoal serve --engine mocker --workers N
+--router-mode MODE`, drives it with `shoal bench run`, stops it, and collects TTFT, ITL,
+throughput and the prefix-cache hit rate the workers report (usage.cached_tokens). It
+prints a table with each mode's ratio to round-robin, appends one record per run to
+benchmarks/results/router.jsonl (date, commit, machine, workload, mode, figures) and draws
+benchmarks/results/router.png.
+
+The mocker runs the real scheduler and KV block pool with a timing model of Llama-3.1-8B
+on one H100, so the figures are what routing does to an 8B deployment's latency, not what
+this CPU can compute. Only config.json and the tokenizer of --model are read; without
+--model the script builds the test suite's tiny tokenizer into a temporary model folder.
+
+    python benchmarks/router_bench.py                      # everything, ~10 minutes
+    python benchmarks/router_bench.py --workloads shared-prefix --modes round-robin,kv
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MOONCAKE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+
+
+@dataclass(frozen=True)
+class Workload:
+    bench_args: str  # `shoal bench run` workload and load shape
+    kv_blocks: int  # KV blocks of 16 tokens per mocker worker
+    about: str
+
+
+WORKLOADS = {
+    # 31 prefixes (prime, so round-robin's cycle does not line groups up with workers) of
+    # 2,048 tokens: their 4,000 blocks do not fit one worker's 2,048, a quarter of them do.
+    "shared-prefix": Workload(
+        "--workload shared-prefix --num-prefixes 31 --prefix-len 2048 --input-len 2304 "
+        "--output-len 16 --rate 50 --num-requests 1500",
+        kv_blocks=2048,
+        about="31 groups x 2048-token prefix + 256 own tokens, 16 out, Poisson 50 req/s",
+    ),
+    # 32 conversations at a time, each turn adds 512 tokens to the history; a conversation
+    # keeps its history on one worker only if the router sends it back there.
+    "multi-turn": Workload(
+        "--workload multi-turn --num-sessions 128 --turns 5 --input-len 512 "
+        "--output-len 64 --concurrency 32",
+        kv_blocks=2048,
+        about="128 sessions x 5 turns of +512 tokens, 64 out, 32 sessions in flight",
+    ),
+    # The first 1,500 requests of Mooncake's conversation trace with lengths / 8 (a 512-token
+    # hash block becomes 64 tokens), replayed 17x faster than recorded, on workers with an
+    # 8B H100's KV cache (444,896 tokens): the cache holds 8x more of the trace than at full
+    # length, which leaves the trace's reuse (26.5% of its blocks repeat an earlier prefix)
+    # within reach of a cache.
+    "mooncake": Workload(
+        f"--workload trace --trace {MOONCAKE} --input-scale 0.125 --output-scale 0.25 "
+        "--speedup 17 --num-requests 1500 --replay",
+        kv_blocks=27806,
+        about="Mooncake conversation trace, first 1500 rows, lengths/8 (out/4), 17x speed",
+    ),
+}
+MODES = ("round-robin", "least-loaded", "kv")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    return out.stdout.decode().strip() or "unknown"
+
+
+def tiny_model_dir(folder: Path) -> Path:
+    """A model folder for the mocker: the test suite's tokenizer and a long-context config."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import BASE, VOCAB_SIZE, write_tokenizer
+
+    write_tokenizer(folder)
+    config = {
+        **BASE,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 131072,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@contextmanager
+def serve(model: Path, mode: str, workers: int, kv_blocks: int, speedup: float, log: Path):
+    """`shoal serve` with mocker workers; yields its URL once every worker is up."""
+    port = free_port()
+    argv = [sys.executable, "-m", "shoal", "serve", "--model", str(model), "--engine", "mocker"]
+    argv += ["--workers", str(workers), "--router-mode", mode, "--port", str(port)]
+    argv += ["--num-gpu-blocks", str(kv_blocks), "--speedup", str(speedup)]
+    argv += ["--served-model-name", "mock-8b", "--shutdown-timeout", "5"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc)
+            time.sleep(1.0)  # the router's first dumps and load reports
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shoal serve exited with {proc.returncode} during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("shoal serve did not become healthy")
+
+
+def run_bench(url: str, tokenizer: Path, workload: Workload, out: Path) -> dict:
+    argv = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
+    argv += ["--tokenizer", str(tokenizer), "--out", str(out), "--no-progress", "--no-plots"]
+    argv += [*workload.bench_args.split(), "--seed", "0"]
+    subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    return run["summary"]
+
+
+def figures(summary: dict) -> dict:
+    lat, tp = summary["latency_ms"], summary["throughput"]
+    return {
+        "requests_ok": summary["requests"]["ok"],
+        "errors": summary["requests"]["errors"],
+        "ttft_p50_ms": lat["ttft"]["p50"],
+        "ttft_p99_ms": lat["ttft"]["p99"],
+        "itl_p50_ms": lat["itl"]["p50"],
+        "itl_p99_ms": lat["itl"]["p99"],
+        "requests_per_s": tp["requests_per_s"],
+        "output_tokens_per_s": tp["output_tokens_per_s"],
+        "kv_hit_rate": (summary.get("prefix_cache") or {}).get("hit_rate"),
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'workload':14} {'mode':13} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>7}"
+    head += f" {'req/s':>6} {'out tok/s':>9} {'KV hit':>7} {'TTFT p50 vs rr':>15}"
+    print(head)
+    base = {r["workload"]: r for r in rows if r["mode"] == "round-robin"}
+    for r in rows:
+        rr = base.get(r["workload"])
+        gain = f"{rr['ttft_p50_ms'] / r['ttft_p50_ms']:.2f}x better" if rr else "-"
+        hit = f"{r['kv_hit_rate']:.1%}" if r["kv_hit_rate"] is not None else "-"
+        print(
+            f"{r['workload']:14} {r['mode']:13} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:8.1f}"
+            f" {r['itl_p50_ms']:8.1f} {r['itl_p99_ms']:7.1f} {r['requests_per_s']:6.2f}"
+            f" {r['output_tokens_per_s']:9.0f} {hit:>7} {gain:>15}"
+        )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    metrics = [
+        ("ttft_p50_ms", "TTFT p50 (ms)"),
+        ("ttft_p99_ms", "TTFT p99 (ms)"),
+        ("itl_p50_ms", "ITL p50 (ms)"),
+        ("kv_hit_rate", "prefix-cache hit rate"),
+    ]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6))
+    width = 0.8 / len(modes)
+    for ax, (key, title) in zip(axes, metrics, strict=True):
+        for j, mode in enumerate(modes):
+            values = [
+                next((r[key] or 0 for r in rows if r["workload"] == w and r["mode"] == mode), 0)
+                for w in workloads
+            ]
+            ax.bar([i + j * width for i in range(len(workloads))], values, width, label=mode)
+        ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(workloads))])
+        ax.set_xticklabels(workloads, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"router modes, {rows[0]['workers']} mocker workers (8B on H100 timing)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, help="model folder (config.json + tokenizer)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--speedup", type=float, default=1.0, help="mocker time speed-up")
+    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "router_bench")
+    p.add_argument("--no-record", action="store_true", help="do not append to results/")
+    args = p.parse_args()
+    for name in args.workloads.split(","):
+        if name not in WORKLOADS:
+            p.error(f"--workloads: unknown {name!r} (choose from {', '.join(WORKLOADS)})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.model or tiny_model_dir(Path(tempfile.mkdtemp(prefix="router-bench-model-")))
+    stamp = {
+        "date": datetime.date.today().isoformat(),
+        "commit": os.environ.get("SHOAL_COMMIT") or git_commit(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (mocker: 8B on H100 timing)",
+        "workers": args.workers,
+        "speedup": args.speedup,
+    }
+    rows = []
+    for name in args.workloads.split(","):
+        workload = WORKLOADS[name]
+        for mode in args.modes.split(","):
+            out = args.out / name / mode
+            out.mkdir(parents=True, exist_ok=True)
+            print(f"-- {name} / {mode}", flush=True)
+            log = out / "serve.log"
+            with serve(model, mode, args.workers, workload.kv_blocks, args.speedup, log) as url:
+                summary = run_bench(url, model, workload, out)
+            rows.append(
+                {
+                    **stamp,
+                    "workload": name,
+                    "about": workload.about,
+                    "mode": mode,
+                    "kv_blocks_per_worker": workload.kv_blocks,
+                    **figures(summary),
+                }
+            )
+    print_table(rows)
+    if not args.no_record:
+        with (RESULTS / "router.jsonl").open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        plot(rows, RESULTS / "router.png")
+        print(f"recorded in {RESULTS / 'router.jsonl'} and {RESULTS / 'router.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
