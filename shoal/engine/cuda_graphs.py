@@ -1,19 +1,21 @@
 """CUDA graphs for decode batches: one graph per batch size of a ladder, padded at replay.
 
-Inputs live in static buffers the graphs read; a replay copies the batch into them,
-pads the rest (slot -1: nothing written; seq_len 0: attention skipped) and replays the
-smallest graph that holds the batch.
+The graphs read their inputs from views at fixed offsets of one device buffer. A replay
+writes the batch into a pinned host mirror of that buffer, pads the rest (slot -1: nothing
+written; seq_len 0: attention skipped), copies the mirror to the device with one
+asynchronous copy and replays the smallest graph that holds the batch: no other copies.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
+import numpy as np
 import torch
 
 from shoal.layers.attention import AttentionMetadata
-from shoal.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +25,22 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
+def _carve(
+    buffer: torch.Tensor, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]
+) -> dict[str, torch.Tensor]:
+    """Views of a byte buffer, one per (name, dtype, shape) of the layout, back to back."""
+    views, offset = {}, 0
+    for name, dtype, shape in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        views[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
+        offset += nbytes
+    return views
+
+
 class DecodeGraphs:
     def __init__(
         self,
         model: torch.nn.Module,
-        cfg: ModelConfig,
         device: torch.device,
         max_num_seqs: int,
         max_blocks: int,
@@ -37,15 +50,29 @@ class DecodeGraphs:
         self.sizes = batch_size_ladder(max_num_seqs)
         self.max_size = self.sizes[-1]
         n = self.max_size
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # (name, dtype, shape); the block table goes last so a replay copies only its rows
+        layout = [
+            ("input_ids", torch.int64, (n,)),
+            ("positions", torch.int64, (n,)),
+            ("slots", torch.int64, (n,)),
+            ("seq_lens", torch.int32, (n,)),
+            ("block_tables", torch.int32, (n, max_blocks)),
+        ]
+        self.row_bytes = max_blocks * 4
+        self.table_offset = sum(n * dtype.itemsize for _, dtype, _ in layout[:-1])
+        size = self.table_offset + n * self.row_bytes
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
+        self.copied = torch.cuda.Event()
+        device_views, host_views = _carve(self.buffer, layout), _carve(self.host, layout)
+        self.input_ids, self.positions, self.slots, self.seq_lens, self.block_tables = (
+            device_views.values()
+        )
+        self.host_views = {name: view.numpy() for name, view in host_views.items()}
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros(n, cfg.hidden_size, dtype=cfg.dtype, device=device)
         self.workspace = workspace
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # each graph's hidden states, [size, hidden]
 
     def fits(self, num_seqs: int) -> bool:
         return bool(self.graphs) and num_seqs <= self.max_size
@@ -62,10 +89,8 @@ class DecodeGraphs:
             decode_workspace=self.workspace,
         )
 
-    def _run(self, size: int) -> None:
-        self.hidden[:size] = self.model(
-            self.input_ids[:size], self.positions[:size], self._meta(size)
-        )
+    def _run(self, size: int) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self._meta(size))
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -77,7 +102,7 @@ class DecodeGraphs:
             self._run(size)  # warm-up: compiles kernels for this shape
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._run(size)
+                self.outputs[size] = self._run(size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -93,22 +118,26 @@ class DecodeGraphs:
 
     def replay(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        block_table: np.ndarray,
+        seq_lens: np.ndarray,
     ) -> torch.Tensor:
-        """Run a decode batch (device tensors, one token per sequence) through its graph."""
+        """Run a decode batch (host arrays, one token per sequence) through its graph."""
         num = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num)
-        self.input_ids[:num].copy_(input_ids)
-        self.positions[:num].copy_(positions)
-        self.slots[:num].copy_(slots)
-        self.block_tables[:num, : block_table.shape[1]].copy_(block_table)
-        self.seq_lens[:num].copy_(seq_lens)
-        if size > num:
-            self.slots[num:size].fill_(-1)
-            self.seq_lens[num:size].zero_()
+        self.copied.synchronize()  # the previous replay's copy out of the mirror is done
+        host = self.host_views
+        host["input_ids"][:num] = input_ids
+        host["positions"][:num] = positions
+        host["slots"][:num] = slots
+        host["slots"][num:size] = -1
+        host["seq_lens"][:num] = seq_lens
+        host["seq_lens"][num:size] = 0
+        host["block_tables"][:num, : block_table.shape[1]] = block_table
+        end = self.table_offset + size * self.row_bytes
+        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
+        self.copied.record()
         self.graphs[size].replay()
-        return self.hidden[:num]
+        return self.outputs[size][:num]

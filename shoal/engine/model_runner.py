@@ -150,7 +150,7 @@ class ModelRunner:
             )
             if not enforce_eager:
                 self.graphs = DecodeGraphs(
-                    model, cfg, device, max_num_seqs, max_blocks, self.decode_workspace
+                    model, device, max_num_seqs, max_blocks, self.decode_workspace
                 )
 
     def capture_graphs(self) -> float:
@@ -202,6 +202,10 @@ class ModelRunner:
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         num_seqs = len(batch.query_lens)
         is_decode = batch.input_ids.shape[0] == num_seqs
+        if is_decode and self.graphs is not None and self.graphs.fits(num_seqs):
+            return self.graphs.replay(
+                batch.input_ids, batch.positions, batch.slots, batch.block_table, batch.seq_lens
+            )
         input_ids, positions, slots, block_table, seq_lens, query_start = self.staging.to_device(
             batch.input_ids,
             batch.positions,
@@ -210,8 +214,6 @@ class ModelRunner:
             batch.seq_lens,
             batch.query_start,
         )
-        if is_decode and self.graphs is not None and self.graphs.fits(num_seqs):
-            return self.graphs.replay(input_ids, positions, slots, block_table, seq_lens)
         meta = AttentionMetadata(
             slot_mapping=slots,
             block_tables=block_table,
