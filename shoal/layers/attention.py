@@ -1,7 +1,8 @@
-"""Paged attention layer: stores the new K/V in the layer's cache, then attends over it.
+"""Paged attention layer: the new queries attend over the layer's KV cache.
 
-On CUDA it runs the Triton kernels (decode batches through the split-KV decode kernel);
-elsewhere the pure-torch reference.
+The new tokens' K/V are already in the cache (stored with the rotary embedding, see
+shoal/kernels/qk_rope.py). On CUDA it runs the Triton kernels (decode batches through the
+split-KV decode kernel); elsewhere the pure-torch reference.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from shoal.kernels import triton_kernels
-from shoal.kernels.paged_attention_ref import paged_attention_ref, write_kv_cache_ref
+from shoal.kernels.paged_attention_ref import paged_attention_ref
 
 
 @dataclass
@@ -36,13 +37,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
+    def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
         if q.is_cuda:
-            return self._forward_triton(q, k, v, meta).flatten(1)
-        write_kv_cache_ref(k, v, self.kv_cache, meta.slot_mapping)
+            return self._forward_triton(q, meta).flatten(1)
         out = paged_attention_ref(
             q,
             self.kv_cache,
@@ -53,9 +51,8 @@ class Attention(nn.Module):
         )
         return out.flatten(1)
 
-    def _forward_triton(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_triton(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         kernels = triton_kernels("paged_attention")
-        kernels.store_kv(k, v, self.kv_cache, meta.slot_mapping)
         if meta.max_query_len == 1 and meta.decode_workspace is not None:
             return kernels.decode_attention(
                 q,

@@ -14,7 +14,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The pure-torch norm (the CPU path, and the kernels' reference)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -27,6 +28,6 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             return triton_kernels("elementwise").rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
-            return self._norm(x)
+            return self.reference(x)
         x = x + residual
-        return self._norm(x), x
+        return self.reference(x), x

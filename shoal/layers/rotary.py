@@ -7,8 +7,6 @@ import math
 import torch
 from torch import nn
 
-from shoal.kernels import triton_kernels
-
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies theta^(-2i/d), rescaled per the config's rope scaling."""
@@ -51,18 +49,10 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim], positions: [T].
+    def reference(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by the angles of positions [T], in pure torch.
 
-        On CUDA q and k are rotated in place by one fused kernel each.
+        On CUDA the rotation runs fused with the q/k norms and the KV store
+        (shoal/kernels/qk_rope.py).
         """
-        if q.is_cuda:
-            kernels = triton_kernels("elementwise")
-            kernels.rotary_(q, self.cos, self.sin, positions)
-            kernels.rotary_(k, self.cos, self.sin, positions)
-            return q, k
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self._rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))

@@ -14,6 +14,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from shoal.kernels import triton_kernels
+from shoal.kernels.qk_rope_ref import qk_rope_store_ref
 from shoal.layers.activation import silu_and_mul
 from shoal.layers.attention import Attention, AttentionMetadata
 from shoal.layers.norm import RMSNorm
@@ -41,10 +43,44 @@ class SelfAttention(nn.Module):
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        if q.is_cuda:  # one fused kernel: q rotated in place, k and v into the cache
+            self._qk_rope_store_fused(positions, q, k, v, meta)
+        else:
+            q, _ = qk_rope_store_ref(
+                q,
+                k,
+                v,
+                positions,
+                self.rotary,
+                self.attn.kv_cache,
+                meta.slot_mapping,
+                self.q_norm,
+                self.k_norm,
+            )
+        return self.o_proj(self.attn(q, meta))
+
+    def _qk_rope_store_fused(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        q_norm, k_norm = self.q_norm, self.k_norm
+        triton_kernels("qk_rope").qk_rope_store(
+            q,
+            k,
+            v,
+            positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            self.attn.kv_cache,
+            meta.slot_mapping,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+        )
 
 
 class MLP(nn.Module):

@@ -34,13 +34,13 @@ def test_rmsnorm_with_and_without_residual(dtype, dim):
     norm = RMSNorm(dim, eps=1e-6)
     norm.weight.data = rand(dim, dtype=torch.float32, seed=1).cpu().to(dtype)
     x, res = rand(7, dim, dtype=dtype, seed=2), rand(7, dim, dtype=dtype, seed=3)
-    ref = norm.to(DEVICE)._norm(x.clone())
+    ref = norm.to(DEVICE).reference(x.clone())
     out = elementwise.rmsnorm(x, norm.weight, 1e-6)
     tol = 0 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, ref, atol=tol + 1e-5, rtol=tol + 1e-5)
     out, new_res = elementwise.rmsnorm(x, norm.weight, 1e-6, residual=res)
     torch.testing.assert_close(new_res, x + res)
-    torch.testing.assert_close(out, norm._norm(x + res), atol=tol + 1e-5, rtol=tol + 1e-5)
+    torch.testing.assert_close(out, norm.reference(x + res), atol=tol + 1e-5, rtol=tol + 1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
