@@ -1,6 +1,7 @@
-"""Fused Triton kernels for the per-token layers: RMSNorm (+ residual add), rotary
-embedding, SiLU-and-mul. Each replaces a chain of small PyTorch ops (and their launches)
-with one kernel; the PyTorch versions in shoal/layers are their references.
+"""Fused Triton kernels for the per-token layers: RMSNorm (+ residual add), SiLU-and-mul
+(the rotary embedding is fused with the KV store: shoal/kernels/qk_rope.py). Each replaces
+a chain of small PyTorch ops (and their launches) with one kernel; the PyTorch versions in
+shoal/layers are their references.
 """
 
 from __future__ import annotations
@@ -71,58 +72,6 @@ def rmsnorm(
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
-
-
-@triton.jit
-def _rotary_kernel(
-    x,
-    cos,
-    sin,
-    positions,
-    stride_t,
-    stride_h,
-    stride_c,
-    num_heads,
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions + t)
-    i = tl.arange(0, BLOCK)
-    h = tl.arange(0, BLOCK_H)
-    mask_i = i < HALF
-    mask = (h[:, None] < num_heads) & mask_i[None, :]
-    c = tl.load(cos + pos * stride_c + i, mask=mask_i, other=0.0)[None, :]
-    s = tl.load(sin + pos * stride_c + i, mask=mask_i, other=0.0)[None, :]
-    base = x + t * stride_t + h[:, None] * stride_h + i[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    tl.store(base, (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(base + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
-
-
-def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
-    """Rotate x [T, heads, head_dim] in place by the angles of `positions` (NeoX layout)."""
-    num_tokens, num_heads, head_dim = x.shape
-    if num_tokens == 0:
-        return
-    half = head_dim // 2
-    _rotary_kernel[(num_tokens,)](
-        x,
-        cos,
-        sin,
-        positions,
-        x.stride(0),
-        x.stride(1),
-        cos.stride(0),
-        num_heads,
-        HALF=half,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK=triton.next_power_of_2(half),
-    )
 
 
 @triton.jit

@@ -1,8 +1,8 @@
 """Triton paged attention for Hopper (and any GPU Triton supports).
 
-Three kernels over the paged KV cache [2, num_blocks, block_size, kv_heads, head_dim]:
+Kernels over the paged KV cache [2, num_blocks, block_size, kv_heads, head_dim] (the new
+tokens' K and V are stored by shoal/kernels/qk_rope.py, fused with the rotary embedding):
 
-- store_kv: writes the new tokens' K and V at their slots (slot < 0 = padding, skipped).
 - prefill attention: causal attention of each sequence's new queries (a prompt chunk, or
   a decode token) over its whole context, read through the block table. The query heads of
   one KV head are packed into the rows of one tile (GQA packing), so K/V are read once per
@@ -21,61 +21,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _store_kv_kernel(
-    key,
-    value,
-    cache,
-    slots,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    half,  # elements between the K and the V half of the cache
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots + t).to(tl.int64)
-    if slot < 0:
-        return
-    d = tl.arange(0, BLOCK_D)
-    mask = d < HEAD_DIM
-    k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask)
-    dst = cache + (slot * NUM_KV_HEADS + h) * HEAD_DIM + d
-    tl.store(dst, k.to(cache.dtype.element_ty), mask=mask)
-    tl.store(dst + half, v.to(cache.dtype.element_ty), mask=mask)
-
-
 def _precision(query: torch.Tensor) -> str:
     """Full float32 products for float32 inputs (the tests' exact mode), tensor cores otherwise."""
     return "ieee" if query.dtype == torch.float32 else "tf32"
-
-
-def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write key/value [T, kv_heads, head_dim] into kv_cache at slot_mapping [T]."""
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens, num_kv_heads)](
-        key,
-        value,
-        kv_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        kv_cache[0].numel(),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Fused Triton kernels (RMSNorm, rotary, SiLU-and-mul) against the PyTorch layers.
+"""Fused Triton kernels (RMSNorm, SiLU-and-mul) against the PyTorch layers.
 
 Natively on a GPU; in Triton's CPU interpreter elsewhere.
 """
@@ -16,7 +16,6 @@ pytest.importorskip("triton")
 from shoal.kernels import elementwise  # noqa: E402
 from shoal.layers.activation import silu_and_mul  # noqa: E402
 from shoal.layers.norm import RMSNorm  # noqa: E402
-from shoal.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
 # Triton's interpreter computes through NumPy, which has no bfloat16: that runs on GPUs only
@@ -41,20 +40,6 @@ def test_rmsnorm_with_and_without_residual(dtype, dim):
     out, new_res = elementwise.rmsnorm(x, norm.weight, 1e-6, residual=res)
     torch.testing.assert_close(new_res, x + res)
     torch.testing.assert_close(out, norm.reference(x + res), atol=tol + 1e-5, rtol=tol + 1e-5)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "head_dim"), [(4, 16), (3, 128), (8, 64)])
-def test_rotary_in_place_matches_reference(dtype, heads, head_dim):
-    rope = RotaryEmbedding(head_dim, 512, 10000.0, None).to(DEVICE)
-    qkv = rand(9, heads * head_dim * 2, dtype=dtype, seed=4)
-    q = qkv[:, : heads * head_dim].view(9, heads, head_dim)  # strided, like the model's
-    positions = torch.tensor([0, 5, 1, 300, 7, 8, 511, 2, 3], device=DEVICE)
-    expected = rope._rotate(q, rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1))
-    untouched = qkv[:, heads * head_dim :].clone()
-    elementwise.rotary_(q, rope.cos, rope.sin, positions)
-    torch.testing.assert_close(q, expected, atol=1e-2 if dtype != torch.float32 else 1e-5, rtol=0)
-    assert torch.equal(qkv[:, heads * head_dim :], untouched)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,9 +18,8 @@ from shoal.kernels.paged_attention import (  # noqa: E402
     DecodeWorkspace,
     decode_attention,
     prefill_attention,
-    store_kv,
 )
-from shoal.kernels.paged_attention_ref import paged_attention_ref, write_kv_cache_ref  # noqa: E402
+from shoal.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
 DTYPE = torch.bfloat16 if GPU else torch.float32
@@ -103,16 +102,3 @@ def test_decode_attention_matches_reference(seq_lens, heads, kv, dim, page, spli
     )
     assert rel_err(out[:n], ref) < TOL
     assert torch.equal(out[n], torch.zeros_like(out[n]))
-
-
-def test_store_kv_matches_reference_and_skips_padding():
-    g = torch.Generator().manual_seed(3)
-    cache = torch.randn(2, 6, 4, 2, 64, generator=g).to(DTYPE).to(DEVICE)
-    k = torch.randn(5, 2, 64, generator=g).to(DTYPE).to(DEVICE)
-    v = torch.randn(5, 2, 64, generator=g).to(DTYPE).to(DEVICE)
-    slots = torch.tensor([3, 17, -1, 0, 22], device=DEVICE)
-    expected = cache.clone()
-    keep = slots >= 0
-    write_kv_cache_ref(k[keep], v[keep], expected, slots[keep])
-    store_kv(k, v, cache, slots)
-    assert torch.equal(cache, expected)
