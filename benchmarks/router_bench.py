@@ -43,9 +43,14 @@ MOONCAKE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.js
 
 @dataclass(frozen=True)
 class Workload:
-    bench_args: str  # `shoal bench run` workload and load shape
+    bench_args: str  # `shoal bench run` workload and load shape, but the load itself
+    load_flag: str  # the flag that sets the offered load
+    load: float  # its value at --load-scale 1
     kv_blocks: int  # KV blocks of 16 tokens per mocker worker
     about: str
+
+    def args(self, load_scale: float) -> list[str]:
+        return [*self.bench_args.split(), self.load_flag, f"{self.load * load_scale:g}"]
 
 
 WORKLOADS = {
@@ -53,15 +58,18 @@ WORKLOADS = {
     # 2,048 tokens: their 4,000 blocks do not fit one worker's 2,048, a quarter of them do.
     "shared-prefix": Workload(
         "--workload shared-prefix --num-prefixes 31 --prefix-len 2048 --input-len 2304 "
-        "--output-len 16 --rate 50 --num-requests 1500",
+        "--output-len 16 --num-requests 1500",
+        load_flag="--rate",
+        load=50,
         kv_blocks=2048,
         about="31 groups x 2048-token prefix + 256 own tokens, 16 out, Poisson 50 req/s",
     ),
     # 32 conversations at a time, each turn adds 512 tokens to the history; a conversation
     # keeps its history on one worker only if the router sends it back there.
     "multi-turn": Workload(
-        "--workload multi-turn --num-sessions 128 --turns 5 --input-len 512 "
-        "--output-len 64 --concurrency 32",
+        "--workload multi-turn --num-sessions 128 --turns 5 --input-len 512 --output-len 64",
+        load_flag="--concurrency",
+        load=32,
         kv_blocks=2048,
         about="128 sessions x 5 turns of +512 tokens, 64 out, 32 sessions in flight",
     ),
@@ -72,7 +80,9 @@ WORKLOADS = {
     # within reach of a cache.
     "mooncake": Workload(
         f"--workload trace --trace {MOONCAKE} --input-scale 0.125 --output-scale 0.25 "
-        "--speedup 17 --num-requests 1500 --replay",
+        "--num-requests 1500 --replay",
+        load_flag="--speedup",
+        load=17,
         kv_blocks=27806,
         about="Mooncake conversation trace, first 1500 rows, lengths/8 (out/4), 17x speed",
     ),
@@ -148,10 +158,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
     raise RuntimeError("shoal serve did not become healthy")
 
 
-def run_bench(url: str, tokenizer: Path, workload: Workload, out: Path) -> dict:
+def run_bench(url: str, tokenizer: Path, bench_args: list[str], out: Path) -> dict:
     argv = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
     argv += ["--tokenizer", str(tokenizer), "--out", str(out), "--no-progress", "--no-plots"]
-    argv += [*workload.bench_args.split(), "--seed", "0"]
+    argv += [*bench_args, "--seed", "0"]
     subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     (run,) = json.loads((out / "results.json").read_text())["runs"]
     return run["summary"]
@@ -214,8 +224,13 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(workloads))])
         ax.set_xticklabels(workloads, fontsize=8)
         ax.set_title(title, fontsize=10)
+        if key.startswith("ttft"):
+            ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"router modes, {rows[0]['workers']} mocker workers (8B on H100 timing)")
+    fig.suptitle(
+        f"router modes, {rows[0]['workers']} mocker workers (8B on H100 timing), "
+        f"load x{rows[0].get('load_scale', 1):g}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -227,6 +242,12 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--speedup", type=float, default=1.0, help="mocker time speed-up")
+    p.add_argument(
+        "--load-scale",
+        type=float,
+        default=1.0,
+        help="multiply each workload's offered load (rate, sessions in flight, replay speed)",
+    )
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "router_bench")
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     args = p.parse_args()
@@ -246,17 +267,20 @@ def main() -> int:
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
         for mode in args.modes.split(","):
-            out = args.out / name / mode
+            out = args.out / f"{name}-x{args.load_scale:g}" / mode
             out.mkdir(parents=True, exist_ok=True)
             print(f"-- {name} / {mode}", flush=True)
             log = out / "serve.log"
             with serve(model, mode, args.workers, workload.kv_blocks, args.speedup, log) as url:
-                summary = run_bench(url, model, workload, out)
+                bench_args = workload.args(args.load_scale)
+                summary = run_bench(url, model, bench_args, out)
             rows.append(
                 {
                     **stamp,
                     "workload": name,
                     "about": workload.about,
+                    "load_scale": args.load_scale,
+                    "bench_args": " ".join(bench_args),
                     "mode": mode,
                     "kv_blocks_per_worker": workload.kv_blocks,
                     **figures(summary),
@@ -267,8 +291,11 @@ def main() -> int:
         with (RESULTS / "router.jsonl").open("a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        plot(rows, RESULTS / "router.png")
-        print(f"recorded in {RESULTS / 'router.jsonl'} and {RESULTS / 'router.png'}")
+        png = RESULTS / (
+            "router.png" if args.load_scale == 1 else f"router-x{args.load_scale:g}.png"
+        )
+        plot(rows, png)
+        print(f"recorded in {RESULTS / 'router.jsonl'} and {png}")
     return 0
 
 

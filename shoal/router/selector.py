@@ -13,7 +13,10 @@ requests sharing them share the memory). The weights (KvRouterConfig) trade:
 
 - overlap_credit: what one cached block is worth against one block still to prefill.
   Higher favours cache hits (follow the prefix even to a busier worker); lower favours
-  balance; 0 counts cached blocks only as memory already held.
+  balance; 0 counts cached blocks only as memory already held. The default, 0.5, with the
+  default prefill_load_scale gave the lowest TTFT on the router benchmark's Mooncake
+  replay (benchmarks/router_bench.py, docs/routing.md): at 1 requests queued behind the
+  workers holding their conversations.
 - prefill_load_scale: prefill work against decode memory load. Higher protects time to
   first token (shun workers with long prefill queues); lower protects inter-token latency
   and KV memory (shun workers holding many blocks). The default, 4, reflects time: on
@@ -39,7 +42,7 @@ from shoal.router.load import LoadTracker
 
 @dataclass
 class KvRouterConfig:
-    overlap_credit: float = 1.0
+    overlap_credit: float = 0.5  # see the module docstring
     prefill_load_scale: float = 4.0  # see the module docstring
     temperature: float = 0.0
     busy_threshold: float | None = None  # fraction of a worker's KV blocks active

@@ -26,8 +26,8 @@ def loaded(decode: dict[str, int] | None = None, prefill: dict[str, int] | None 
 
 
 def pick(load, overlaps, prompt_blocks=10, seed=0, **config) -> str:
-    """The choice between a and b; the arithmetic in the tests below is at prefill scale 1."""
-    config = KvRouterConfig(**{"prefill_load_scale": 1.0, **config})
+    """The choice between a and b; the arithmetic below is at prefill scale 1, credit 1."""
+    config = KvRouterConfig(**{"prefill_load_scale": 1.0, "overlap_credit": 1.0, **config})
     return select_worker(["a", "b"], prompt_blocks, overlaps, load, config, random.Random(seed))
 
 
@@ -82,7 +82,7 @@ def test_ties_are_broken_at_random():
 def test_temperature_samples_the_softmax_of_normalized_costs():
     workers = ["a", "b", "c"]
     load = loaded(decode={"a": 8, "b": 13, "c": 18})
-    config = KvRouterConfig(temperature=0.2, prefill_load_scale=1.0)
+    config = KvRouterConfig(temperature=0.2, prefill_load_scale=1.0, overlap_credit=1.0)
     costs = [2 + 8 + 2, 2 + 13 + 2, 2 + 18 + 2]  # prompt of 2 blocks, nothing cached
     assert [cost(w, 2, 0, load, config) for w in workers] == costs
     weights = [math.exp(-c / max(costs) / 0.2) for c in costs]
