@@ -3,23 +3,15 @@
 Natively on a GPU; in Triton's CPU interpreter elsewhere.
 """
 
-import os
-
 import pytest
 import torch
+from kernel_setup import DEVICE, DTYPES, GPU
 
-GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from shoal.kernels import elementwise  # noqa: E402
-from shoal.layers.activation import silu_and_mul  # noqa: E402
-from shoal.layers.norm import RMSNorm  # noqa: E402
-
-DEVICE = "cuda" if GPU else "cpu"
-# Triton's interpreter computes through NumPy, which has no bfloat16: that runs on GPUs only
-DTYPES = [torch.float32, torch.bfloat16] if GPU else [torch.float32]
+from shoal.kernels import elementwise
+from shoal.layers.activation import silu_and_mul
+from shoal.layers.norm import RMSNorm
 
 
 def rand(*shape, dtype, seed):

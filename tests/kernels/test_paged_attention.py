@@ -4,14 +4,10 @@ On a GPU the kernels run natively; without one they run in Triton's interpreter
 (TRITON_INTERPRET=1, set before triton is imported), on small shapes.
 """
 
-import os
-
 import pytest
 import torch
+from kernel_setup import DEVICE, GPU
 
-GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from shoal.kernels.paged_attention import (  # noqa: E402
@@ -21,7 +17,6 @@ from shoal.kernels.paged_attention import (  # noqa: E402
 )
 from shoal.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
 
-DEVICE = "cuda" if GPU else "cpu"
 DTYPE = torch.bfloat16 if GPU else torch.float32
 TOL = 2e-2 if GPU else 1e-4
 

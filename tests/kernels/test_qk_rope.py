@@ -4,24 +4,18 @@ Natively on a GPU (float32 and bfloat16); in Triton's CPU interpreter elsewhere 
 Inputs are random and fresh on every run (the seed is printed on failure).
 """
 
-import os
 import random
 
 import pytest
 import torch
+from kernel_setup import DEVICE, DTYPES
 
-GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from shoal.kernels.qk_rope import qk_rope_store  # noqa: E402
-from shoal.kernels.qk_rope_ref import qk_rope_store_ref  # noqa: E402
-from shoal.layers.norm import RMSNorm  # noqa: E402
-from shoal.layers.rotary import RotaryEmbedding  # noqa: E402
-
-DEVICE = "cuda" if GPU else "cpu"
-DTYPES = [torch.float32, torch.bfloat16] if GPU else [torch.float32]
+from shoal.kernels.qk_rope import qk_rope_store
+from shoal.kernels.qk_rope_ref import qk_rope_store_ref
+from shoal.layers.norm import RMSNorm
+from shoal.layers.rotary import RotaryEmbedding
 
 
 def make_case(seed, dtype, heads, kv_heads, head_dim, block_size, qk_norm):
