@@ -118,17 +118,9 @@ class KvRouter(Policy):
             if worker in self._feeds:
                 return
             feed = self._feeds[worker] = _Feed(record)
-            if record.card is not None:  # its size is known before its first load report
+            if record.card is not None:
                 self.load.block_size = record.card.kv_block_size
-                self.load.report(
-                    LoadReport(
-                        worker_id=worker,
-                        num_running=0,
-                        num_waiting=0,
-                        active_blocks=0,
-                        total_blocks=record.card.num_kv_blocks,
-                    )
-                )
+                self.load.set_capacity(worker, record.card.num_kv_blocks)
             if feed.address is None:
                 log.warning("worker %s publishes no KV events or load", worker)
                 return

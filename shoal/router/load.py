@@ -77,6 +77,11 @@ class LoadTracker:
             request.load.blocks -= request.blocks
             request.load.prefill_tokens -= request.prefill_tokens
 
+    def set_capacity(self, worker_id: str, total_blocks: int) -> None:
+        """The worker's KV cache size, known before its first report (its model card)."""
+        load = self._workers.setdefault(worker_id, _WorkerLoad())
+        load.total_blocks = total_blocks if total_blocks > 0 else None
+
     def report(self, report: LoadReport) -> None:
         """Correct the prediction with a worker's own count.
 
@@ -91,7 +96,7 @@ class LoadTracker:
         load = self._workers.setdefault(report.worker_id, _WorkerLoad())
         load.foreign = max(0, report.active_blocks - load.blocks)
         load.waiting = report.num_waiting
-        load.total_blocks = report.total_blocks if report.total_blocks > 0 else None
+        self.set_capacity(report.worker_id, report.total_blocks)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker; its requests still in flight release into the forgotten state."""

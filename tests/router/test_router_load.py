@@ -117,3 +117,12 @@ def test_block_size_can_change_and_must_be_positive():
         LoadTracker(block_size=0)
     with pytest.raises(ValueError, match="block_size"):
         load.block_size = 0
+
+
+def test_capacity_is_known_before_the_first_report():
+    load = LoadTracker(block_size=16)
+    assert load.usage("w") is None
+    load.set_capacity("w", 200)
+    load.add("r", "w", blocks=50, prefill_tokens=0)
+    assert load.usage("w") == 0.25
+    assert load.waiting("w") == 0
