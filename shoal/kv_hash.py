@@ -33,10 +33,14 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return buf.tobytes()
 
 
+def _chain(parent: int | None, block_bytes: bytes, extra: bytes) -> int:
+    prefix = b"" if parent is None else parent.to_bytes(8, "little")
+    return xxhash.xxh3_64_intdigest(prefix + block_bytes + extra, seed=HASH_SEED)
+
+
 def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"") -> int:
     """Hash of one full block given its parent's hash (None for the first block)."""
-    prefix = b"" if parent is None else parent.to_bytes(8, "little")
-    return xxhash.xxh3_64_intdigest(prefix + _token_bytes(token_ids) + extra, seed=HASH_SEED)
+    return _chain(parent, _token_bytes(token_ids), extra)
 
 
 def hash_blocks(
@@ -49,11 +53,9 @@ def hash_blocks(
     """Chained hashes of every full block of token_ids[start:], continuing from parent."""
     num_blocks = (len(token_ids) - start) // block_size
     data = _token_bytes(token_ids[start : start + num_blocks * block_size])
-    step = 4 * block_size
-    digest = xxhash.xxh3_64_intdigest
+    step = 4 * block_size  # bytes per block: u32 token ids
     hashes = []
     for begin in range(0, len(data), step):
-        prefix = b"" if parent is None else parent.to_bytes(8, "little")
-        parent = digest(prefix + data[begin : begin + step] + extra, seed=HASH_SEED)
+        parent = _chain(parent, data[begin : begin + step], extra)
         hashes.append(parent)
     return hashes
