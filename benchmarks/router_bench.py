@@ -48,9 +48,19 @@ class Workload:
     load: float  # its value at --load-scale 1
     kv_blocks: int  # KV blocks of 16 tokens per mocker worker
     about: str
+    # Mocker time runs this much faster than wall time. Below 1 the run is slow motion:
+    # the same load in model time with less host work per wall second, so a 2-core host
+    # does not become the bottleneck; wall-clock latencies are then 1/mocker_speedup times
+    # the modelled ones, and ratios between modes are unchanged.
+    mocker_speedup: float = 1.0
 
-    def args(self, load_scale: float) -> list[str]:
-        return [*self.bench_args.split(), self.load_flag, f"{self.load * load_scale:g}"]
+    def args(self, load_scale: float, speedup: float = 1.0) -> list[str]:
+        """`shoal bench run` arguments; `speedup` scales a rate (not a concurrency) with the
+        mocker's clock, so the load in model time stays the same."""
+        load = self.load * load_scale
+        if self.load_flag != "--concurrency":
+            load *= speedup
+        return [*self.bench_args.split(), self.load_flag, f"{load:g}"]
 
 
 WORKLOADS = {
@@ -74,17 +84,23 @@ WORKLOADS = {
         about="128 sessions x 5 turns of +512 tokens, 64 out, 32 sessions in flight",
     ),
     # The first 1,500 requests of Mooncake's conversation trace with lengths / 8 (a 512-token
-    # hash block becomes 64 tokens), replayed 17x faster than recorded, on workers with an
-    # 8B H100's KV cache (444,896 tokens): the cache holds 8x more of the trace than at full
-    # length, which leaves the trace's reuse (26.5% of its blocks repeat an earlier prefix)
-    # within reach of a cache.
+    # hash block becomes 64 tokens), on workers with an 8B H100's KV cache (444,896 tokens):
+    # the cache holds 8x more of the trace than at full length, which leaves the trace's
+    # reuse (26.5% of its blocks repeat an earlier prefix) within reach of a cache. Replayed
+    # 30x faster than recorded in model time (89 req/s, ~155k prompt tok/s on 4 workers),
+    # in quarter-speed slow motion (at half speed the host's CPU still added ~20% to kv's
+    # TTFT). benchmarks/router_sim.py sweeps this load: below ~25x no
+    # router can cut TTFT much (the floor is the prefill steps themselves, ~55 ms p50),
+    # from ~28x round-robin's queues grow while kv's stay short.
     "mooncake": Workload(
         f"--workload trace --trace {MOONCAKE} --input-scale 0.125 --output-scale 0.25 "
         "--num-requests 1500 --replay",
         load_flag="--speedup",
-        load=17,
+        load=7.5,
         kv_blocks=27806,
-        about="Mooncake conversation trace, first 1500 rows, lengths/8 (out/4), 17x speed",
+        about="Mooncake conversation trace, first 1500 rows, lengths/8 (out/4), 30x speed "
+        "in model time (7.5x wall, mocker at quarter speed)",
+        mocker_speedup=0.25,
     ),
 }
 MODES = ("round-robin", "least-loaded", "kv")
@@ -241,7 +257,12 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--speedup", type=float, default=1.0, help="mocker time speed-up")
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="run mocker time and offered load this much faster (same load in model time)",
+    )
     p.add_argument(
         "--load-scale",
         type=float,
@@ -261,7 +282,6 @@ def main() -> int:
         "commit": os.environ.get("SHOAL_COMMIT") or git_commit(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (mocker: 8B on H100 timing)",
         "workers": args.workers,
-        "speedup": args.speedup,
     }
     rows = []
     for name in args.workloads.split(","):
@@ -271,8 +291,9 @@ def main() -> int:
             out.mkdir(parents=True, exist_ok=True)
             print(f"-- {name} / {mode}", flush=True)
             log = out / "serve.log"
-            with serve(model, mode, args.workers, workload.kv_blocks, args.speedup, log) as url:
-                bench_args = workload.args(args.load_scale)
+            speedup = args.speedup * workload.mocker_speedup
+            with serve(model, mode, args.workers, workload.kv_blocks, speedup, log) as url:
+                bench_args = workload.args(args.load_scale, args.speedup)
                 summary = run_bench(url, model, bench_args, out)
             rows.append(
                 {
@@ -280,6 +301,7 @@ def main() -> int:
                     "workload": name,
                     "about": workload.about,
                     "load_scale": args.load_scale,
+                    "mocker_speedup": speedup,
                     "bench_args": " ".join(bench_args),
                     "mode": mode,
                     "kv_blocks_per_worker": workload.kv_blocks,

@@ -27,9 +27,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-overlap-credit",
         type=float,
-        default=_env_float("SHOAL_KV_OVERLAP_CREDIT", 0.5),
+        default=_env_float("SHOAL_KV_OVERLAP_CREDIT", 1.0),
         help="kv mode: how much a block already cached on a worker is worth against one it "
-        "would have to prefill; higher chases cache hits, lower spreads load (default 0.5) "
+        "would have to prefill; higher chases cache hits, lower spreads load (default 1.0) "
         "[env SHOAL_KV_OVERLAP_CREDIT]",
     )
     g.add_argument(
