@@ -79,6 +79,7 @@ def make_engine(shape: str, args: argparse.Namespace) -> LLMEngine:
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            async_scheduling=False if args.no_async_scheduling else None,
         )
     )
 
@@ -160,6 +161,9 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="wait for each step before the next"
+    )
     args = parser.parse_args()
 
     t0 = time.perf_counter()
@@ -188,12 +192,15 @@ def main() -> None:
         "shape": args.shape,
         "dtype": args.dtype,
         "kv_blocks": engine.kv.num_blocks,
+        "async_scheduling": engine.async_scheduling,
         "results": [{"workload": w, "unit": u, "value": round(v, 3)} for w, u, v in rows],
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with RESULTS.open("a") as f:
         f.write(json.dumps(record) + "\n")
-    print(f"\n{args.shape} ({args.dtype}) on {record['device']}, commit {record['commit']}")
+    mode = "async" if engine.async_scheduling else "sync"
+    where = f"{record['device']}, commit {record['commit']}"
+    print(f"\n{args.shape} ({args.dtype}, {mode} scheduling) on {where}")
     print(f"{'workload':34} {'unit':14} {'value':>12}")
     for w, u, v in rows:
         print(f"{w:34} {u:14} {v:12.1f}")

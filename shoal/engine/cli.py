@@ -28,7 +28,13 @@ ENGINE_SWITCHES = [
     ("prefix-caching", "automatic prefix caching (default on)"),
     ("chunked-prefill", "split long prompts across steps (default on)"),
 ]
-FLAGS_OFF_BY_DEFAULT = [("enforce-eager", "GPU: run decode without CUDA graphs (default off)")]
+PLAIN_SWITCHES = [
+    ("enforce-eager", "GPU: run decode without CUDA graphs (default off)"),
+    (
+        "async-scheduling",
+        "schedule the next step while the GPU runs this one (default: on with CUDA, off on CPU)",
+    ),
+]
 
 
 def env_name(flag: str) -> str:
@@ -72,7 +78,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             default=_env_value(env, kind),
             help=f"{text} [env {env}]",
         )
-    switches = [("enable-" + f, t) for f, t in ENGINE_SWITCHES] + FLAGS_OFF_BY_DEFAULT
+    switches = [("enable-" + f, t) for f, t in ENGINE_SWITCHES] + PLAIN_SWITCHES
     for flag, text in switches:
         env = env_name(flag)
         group.add_argument(
@@ -87,7 +93,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine keyword options given on the command line (unset ones left to defaults)."""
     names = [f.replace("-", "_") for f, _, _ in ENGINE_FLAGS]
     names += ["enable_" + f.replace("-", "_") for f, _ in ENGINE_SWITCHES]
-    names += [f.replace("-", "_") for f, _ in FLAGS_OFF_BY_DEFAULT]
+    names += [f.replace("-", "_") for f, _ in PLAIN_SWITCHES]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

@@ -23,6 +23,8 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"  # auto: safetensors; dummy: random weights (benchmarks)
     enforce_eager: bool = False  # GPU: run decode without CUDA graphs
+    # schedule step N+1 while the device runs step N; default: on with CUDA, off on CPU
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         checks = [

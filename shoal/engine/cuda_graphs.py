@@ -123,8 +123,10 @@ class DecodeGraphs:
         slots: np.ndarray,
         block_table: np.ndarray,
         seq_lens: np.ndarray,
+        patch=None,
     ) -> torch.Tensor:
-        """Run a decode batch (host arrays, one token per sequence) through its graph."""
+        """Run a decode batch (host arrays, one token per sequence) through its graph;
+        `patch`, if given, rewrites the input ids on the device before the replay."""
         num = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= num)
         self.copied.synchronize()  # the previous replay's copy out of the mirror is done
@@ -139,5 +141,7 @@ class DecodeGraphs:
         end = self.table_offset + size * self.row_bytes
         self.buffer[:end].copy_(self.host[:end], non_blocking=True)
         self.copied.record()
+        if patch is not None:
+            patch(self.input_ids[:num])
         self.graphs[size].replay()
         return self.outputs[size][:num]

@@ -99,7 +99,8 @@ class KVCacheManager:
             return
         rid = request.request_id
         done = self.num_cached_blocks.get(rid, 0)
-        full = request.num_computed_tokens // self.block_size
+        # a token still being sampled has its slot computed but no value to hash yet
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if full <= done:
             return
         hashes = request.update_block_hashes(self.block_size)

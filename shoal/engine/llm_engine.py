@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from shoal.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.model_runner import ModelRunner, kv_bytes_per_block, run_profile_step
-from shoal.engine.request import Request
-from shoal.engine.scheduler import Scheduler, SchedulerConfig
+from shoal.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block, run_profile_step
+from shoal.engine.request import Request, RequestStatus
+from shoal.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.kv_hash import extra_key
 from shoal.models.config import ModelConfig
 from shoal.models.loader import load_model, resolve_model_dir
 from shoal.protocol import EngineOutput, EngineRequest, KVEvent, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Step:
+    """A batch launched on the runner and not yet completed."""
+
+    sched: SchedulerOutput
+    starts: list[int]  # each sequence's num_computed_tokens before the step
+    handle: StepHandle | None = None
+    needs_history: bool = False  # a sequence it samples uses penalties
 
 
 class LLMEngine:
@@ -77,6 +88,11 @@ class LLMEngine:
             self.kv,
         )
         self.requests: dict[str, list[Request]] = {}  # request id -> its sequences
+        self._in_flight: _Step | None = None  # launched, not yet completed (async scheduling)
+        async_default = self.device.type == "cuda"
+        self.async_scheduling = (
+            async_default if config.async_scheduling is None else config.async_scheduling
+        )
 
     def _max_model_len(self) -> int:
         cfg, wanted = self.model_config, self.config.max_model_len
@@ -201,30 +217,65 @@ class LLMEngine:
             del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     # ---- the step
 
     def step(self) -> list[EngineOutput]:
-        """Run one scheduled batch through the model and report every sequence's news."""
+        """Run one scheduled batch through the model and report every sequence's news.
+
+        With async scheduling the batch is launched on the device and the outputs returned
+        are those of the previous batch: the host schedules and prepares step N+1 while the
+        device runs step N. Each sequence then counts the token step N is sampling for it as
+        a placeholder, and a sequence that stops at step N has one wasted token computed in
+        step N+1. A batch whose sequences sample with penalties (which read the tokens
+        themselves) waits for the step before it.
+        """
+        outputs: list[EngineOutput] = []
+        if self._in_flight is not None and self._in_flight.needs_history:
+            outputs, self._in_flight = self._complete(self._in_flight), None
         sched = self.scheduler.schedule()
-        if not sched.requests:
-            return []
-        result = self.runner.execute(sched)
+        launched = self._launch(sched) if sched.requests else None
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._complete(launched)
+            self._in_flight = None
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> _Step:
+        """Start the batch on the runner and advance its sequences past the scheduled tokens."""
+        step = _Step(sched, [r.num_computed_tokens for r in sched.requests])
+        step.handle = self.runner.launch(sched)
+        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
+                req.num_placeholders += 1  # sampled by this step
+                step.needs_history = step.needs_history or req.needs_token_history
+        return step
+
+    def _complete(self, step: _Step) -> list[EngineOutput]:
+        """Wait for a launched batch's tokens and apply them: stops, cache, outputs."""
+        result = self.runner.collect(step.handle)
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
         finished: list[Request] = []
         touched: list[Request] = []
-        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
+        for req, start in zip(step.sched.requests, step.starts, strict=True):
+            if req.is_finished:
+                continue  # stopped or aborted while this step ran: its work here is void
             rid = req.request_id
             prompt_lps = prompt_logprobs.get(rid) if prompt_logprobs else None
-            if prompt_lps and len(req.prompt_logprobs) == req.num_computed_tokens:
+            if prompt_lps and len(req.prompt_logprobs) == start:
                 req.prompt_logprobs += prompt_lps  # (a recompute after preemption adds none)
-            req.num_computed_tokens += n
-            self.kv.cache_blocks(req)
             token = sampled.get(rid)
+            if token is not None:
+                req.num_placeholders -= 1
+                req.append_token(token)
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_blocks(req)
             if token is None:
                 continue
-            req.append_token(token)
             if logprobs and rid in logprobs:
                 req.new_logprobs.append(logprobs[rid])
             touched.append(req)

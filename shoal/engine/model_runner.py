@@ -7,7 +7,7 @@ last known token are sampled. On CUDA, pure-decode batches replay captured CUDA 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -16,8 +16,9 @@ import torch
 from shoal.engine.cuda_graphs import DecodeGraphs
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request
-from shoal.engine.sampler import Sampler, top_logprobs
+from shoal.engine.sampler import SampledTokens, Sampler, top_logprobs
 from shoal.engine.scheduler import SchedulerOutput
+from shoal.engine.transfer import to_device, to_host
 from shoal.layers.attention import AttentionMetadata
 from shoal.models.config import ModelConfig
 from shoal.protocol import TokenLogprob
@@ -28,6 +29,16 @@ class RunnerOutput:
     sampled: dict[str, int]  # request_id -> new token, for the sequences that were sampled
     logprobs: dict[str, TokenLogprob]
     prompt_logprobs: dict[str, list[TokenLogprob | None]]
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its draws being copied to the host, and what to read them with."""
+
+    request_ids: list[str] = field(default_factory=list)  # of the sampled rows, in order
+    draw: SampledTokens | None = None  # host tensors (pinned on CUDA)
+    ready: torch.cuda.Event | None = None  # recorded after the copies to the host
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -141,6 +152,9 @@ class ModelRunner:
             layer.kv_cache = cache
         self.graphs: DecodeGraphs | None = None
         self.decode_workspace = None
+        # the last launch's draws on the device, and each sampled request's row in them
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         if device.type == "cuda":
             from shoal.kernels.paged_attention import DecodeWorkspace
 
@@ -176,15 +190,10 @@ class ModelRunner:
             seq_index = np.repeat(np.arange(num_seqs), n)
             positions = np.arange(total, dtype=np.int64) + np.repeat(starts - query_start[:-1], n)
             token_rows = rows[seq_index]
-            input_ids = np.fromiter(
-                (
-                    t
-                    for r, c in zip(reqs, counts, strict=True)
-                    for t in r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + c]
-                ),
-                np.int64,
-                total,
-            )
+            input_ids = np.zeros(total, dtype=np.int64)  # a pending token stays 0 until patched
+            for r, c, begin in zip(reqs, counts, query_start[:-1].tolist(), strict=True):
+                known = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + c]
+                input_ids[begin : begin + len(known)] = known
         slots = table.table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int(table.lengths[rows].max())
         ends = starts + n
@@ -199,12 +208,18 @@ class ModelRunner:
             ends.tolist(),
         )
 
-    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+    def _forward(self, batch: BatchInputs, patch=None) -> torch.Tensor:
+        """The model's hidden states; `patch` may rewrite the input ids once on the device."""
         num_seqs = len(batch.query_lens)
         is_decode = batch.input_ids.shape[0] == num_seqs
         if is_decode and self.graphs is not None and self.graphs.fits(num_seqs):
             return self.graphs.replay(
-                batch.input_ids, batch.positions, batch.slots, batch.block_table, batch.seq_lens
+                batch.input_ids,
+                batch.positions,
+                batch.slots,
+                batch.block_table,
+                batch.seq_lens,
+                patch,
             )
         input_ids, positions, slots, block_table, seq_lens, query_start = self.staging.to_device(
             batch.input_ids,
@@ -214,6 +229,8 @@ class ModelRunner:
             batch.seq_lens,
             batch.query_start,
         )
+        if patch is not None:
+            patch(input_ids)
         meta = AttentionMetadata(
             slot_mapping=slots,
             block_tables=block_table,
@@ -227,11 +244,19 @@ class ModelRunner:
         return self.model(input_ids, positions, meta)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Queue the batch's forward pass and sampling on the device; wait for nothing.
+
+        A sequence whose next input is still being sampled by the previous launch (a
+        placeholder) gets that token on the device, from the previous launch's draws.
+        Prompt logprobs are the exception: they are computed here, waiting for the device.
+        """
         batch = self._prepare(sched)
         reqs = sched.requests
-        # sequences whose chunk reaches their last known token are sampled, at that token
-        num_tokens = np.fromiter((len(r.all_token_ids) for r in reqs), np.int64, len(reqs))
+        # sequences whose chunk reaches their last known or pending token are sampled
+        num_tokens = np.fromiter(
+            (r.num_tokens + r.num_placeholders for r in reqs), np.int64, len(reqs)
+        )
         sampled = np.flatnonzero(batch.seq_lens == num_tokens)
         sample_rows = batch.query_start[sampled + 1] - 1
         prompt_rows: list[int] = []  # flat indices whose logits score the next prompt token
@@ -243,27 +268,64 @@ class ModelRunner:
                 prompt_lp.append((req, len(prompt_rows), start, count))
                 prompt_rows += range(offset, offset + count)
 
-        hidden = self._forward(batch)
+        hidden = self._forward(batch, self._placeholder_patch(reqs, batch.query_start))
         if not prompt_rows and len(sample_rows) == hidden.shape[0]:
             selected = hidden  # every token is a sampled sequence's last (decode)
         else:
-            rows = torch.tensor(prompt_rows + sample_rows.tolist(), dtype=torch.int64)
-            selected = hidden[rows.to(self.device)]
+            rows = to_device(prompt_rows + sample_rows.tolist(), torch.int64, self.device)
+            selected = hidden[rows]
         logits = self.model.compute_logits(selected)
 
-        out = RunnerOutput({}, {}, {})
+        handle = StepHandle()
         for req, row, first_pos, count in prompt_lp:
             lp = torch.log_softmax(logits[row : row + count].float(), dim=-1)
             targets = req.all_token_ids[first_pos + 1 : first_pos + 1 + count]
-            out.prompt_logprobs[req.request_id] = [
+            handle.prompt_logprobs[req.request_id] = [
                 top_logprobs(lp[j], t, req.sampling.prompt_logprobs) for j, t in enumerate(targets)
             ]
-        if len(sampled):
-            sample_reqs = [reqs[i] for i in sampled.tolist()]
-            result = self.sampler(logits[len(prompt_rows) :], sample_reqs)
-            ids = [r.request_id for r in sample_reqs]
-            out.sampled = dict(zip(ids, result.token_ids, strict=True))
-            for req, lp in zip(sample_reqs, result.logprobs, strict=True):
-                if lp is not None:
-                    out.logprobs[req.request_id] = lp
+        sample_reqs = [reqs[i] for i in sampled.tolist()]
+        self._last_rows = {r.request_id: j for j, r in enumerate(sample_reqs)}
+        if sample_reqs:
+            draw = self.sampler(logits[len(prompt_rows) :], sample_reqs)
+            self._last_tokens = draw.token_ids
+            handle.request_ids = list(self._last_rows)
+            handle.draw = draw.map(to_host)
+            if self.device.type == "cuda":
+                handle.ready = torch.cuda.Event()
+                handle.ready.record()
+        return handle
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step's draws and return them."""
+        out = RunnerOutput({}, {}, handle.prompt_logprobs)
+        if handle.draw is None:
+            return out
+        if handle.ready is not None:
+            handle.ready.synchronize()
+        tokens = handle.draw.token_ids.tolist()
+        out.sampled = dict(zip(handle.request_ids, tokens, strict=True))
+        for row, lp in handle.draw.logprobs(tokens).items():
+            out.logprobs[handle.request_ids[row]] = lp
         return out
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """launch and collect: one step, synchronously."""
+        return self.collect(self.launch(sched))
+
+    def _placeholder_patch(self, reqs: list[Request], query_start: np.ndarray):
+        """A function that writes the pending tokens into the device's input ids, or None."""
+        pending = [i for i, r in enumerate(reqs) if r.num_placeholders]
+        if not pending:
+            return None
+        dst = to_device(
+            (query_start[np.asarray(pending) + 1] - 1).tolist(), torch.int64, self.device
+        )
+        src = to_device(
+            [self._last_rows[reqs[i].request_id] for i in pending], torch.int64, self.device
+        )
+        tokens = self._last_tokens
+
+        def patch(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, dst, tokens.index_select(0, src))
+
+        return patch

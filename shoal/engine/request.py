@@ -63,6 +63,9 @@ class Request:
             self.generator = torch.Generator().manual_seed(seed)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # tokens sampled by a step still running on the device (async scheduling): counted
+        # as computed and scheduled for, their values not known yet (0 or 1)
+        self.num_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.block_hashes: list[int] = []
         self.num_emitted = 0  # output tokens already reported
@@ -77,7 +80,14 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        """Output tokens so far, counting any still being sampled on the device."""
+        return len(self.all_token_ids) + self.num_placeholders - self.num_prompt_tokens
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the output tokens themselves (penalties), not only counts."""
+        s = self.sampling
+        return s.repetition_penalty != 1.0 or bool(s.presence_penalty or s.frequency_penalty)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -13,47 +13,83 @@ from dataclasses import dataclass
 import torch
 
 from shoal.engine.request import Request
+from shoal.engine.transfer import to_device
 from shoal.protocol import TokenLogprob
 
 
 @dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+class SampledTokens:
+    """One step's draws, still on the device.
+
+    token_ids[i] belongs to the sampler's requests[i]. For the rows whose request wants
+    logprobs (logprob_rows, with logprob_tops top entries each) it also holds the chosen
+    token's raw logprob and rank and the top max(logprob_tops) logprobs and their ids.
+    """
+
+    token_ids: torch.Tensor  # [B] int64
+    logprob_rows: list[int]
+    logprob_tops: list[int]
+    chosen: torch.Tensor | None = None  # [R] float32
+    ranks: torch.Tensor | None = None  # [R] int64
+    top_values: torch.Tensor | None = None  # [R, K] float32
+    top_ids: torch.Tensor | None = None  # [R, K] int64
+
+    def logprobs(self, token_ids: list[int]) -> dict[int, TokenLogprob]:
+        """Row -> TokenLogprob, from host copies of the fields (see ModelRunner.collect)."""
+        if not self.logprob_rows:
+            return {}
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        out = {}
+        for j, (row, k) in enumerate(zip(self.logprob_rows, self.logprob_tops, strict=True)):
+            out[row] = TokenLogprob(
+                [token_ids[row], *ids[j][:k]],
+                [chosen[j], *values[j][:k]],
+                [ranks[j], *range(1, k + 1)],
+            )
+        return out
+
+    def map(self, fn) -> SampledTokens:
+        """The same draws with every tensor passed through fn (e.g. a copy to the host)."""
+        tensors = ("token_ids", "chosen", "ranks", "top_values", "top_ids")
+        values = {name: getattr(self, name) for name in tensors}
+        return SampledTokens(
+            logprob_rows=self.logprob_rows,
+            logprob_tops=self.logprob_tops,
+            **{name: None if t is None else fn(t) for name, t in values.items()},
+        )
 
 
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """Sample one token per row of logits [B, vocab]; row i belongs to requests[i]."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        """Sample one token per row of logits [B, vocab]; row i belongs to requests[i].
+
+        Nothing here waits for the device unless a request needs its token history
+        (penalties) or brings its own seed.
+        """
         if all(r.argmax_only for r in requests):
             # float32 holds every bf16/fp16 value exactly, so no float copy is needed first
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return SampledTokens(logits.argmax(dim=-1), [], [])
         logits = logits.float()
-        raw_logprobs = None
-        if any(r.sampling.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[rows], dim=-1) if rows else None
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_early_stops(logits, requests)
         tokens = self._sample(logits, requests)
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        draw = SampledTokens(tokens, rows, [requests[i].sampling.logprobs for i in rows])
         if raw_logprobs is not None:
-            for i, r in enumerate(requests):
-                if r.sampling.logprobs is not None:
-                    logprobs[i] = top_logprobs(raw_logprobs[i], token_list[i], r.sampling.logprobs)
-        return SamplerOutput(token_list, logprobs)
+            index = to_device(rows, torch.int64, logits.device)
+            chosen = raw_logprobs.gather(1, tokens[index].unsqueeze(1))
+            draw.chosen = chosen.squeeze(1)
+            draw.ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+            draw.top_values, draw.top_ids = raw_logprobs.topk(max(draw.logprob_tops), dim=-1)
+        return draw
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [
-            i
-            for i, r in enumerate(requests)
-            if r.sampling.repetition_penalty != 1.0
-            or r.sampling.presence_penalty
-            or r.sampling.frequency_penalty
-        ]
+        rows = [i for i, r in enumerate(requests) if r.needs_token_history]
         for i in rows:
             s = requests[i].sampling
             row = logits[i]
@@ -75,7 +111,8 @@ class Sampler:
         """Forbid stop tokens until a request has min_tokens outputs."""
         for i, r in enumerate(requests):
             if r.num_output_tokens < r.sampling.min_tokens and r.stop_token_ids:
-                logits[i, list(r.stop_token_ids)] = float("-inf")
+                stops = to_device(list(r.stop_token_ids), torch.int64, logits.device)
+                logits[i].index_fill_(0, stops, float("-inf"))
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -83,11 +120,11 @@ class Sampler:
         random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
         if not random_rows:
             return greedy
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = to_device(random_rows, torch.int64, logits.device)
         params = [requests[i].sampling for i in random_rows]
         probs = filtered_probs(
             logits[idx],
-            temperature=torch.tensor([p.temperature for p in params], device=logits.device),
+            temperature=to_device([p.temperature for p in params], logits.dtype, logits.device),
             top_k=[p.top_k for p in params],
             top_p=[p.top_p for p in params],
             min_p=[p.min_p for p in params],
@@ -96,7 +133,8 @@ class Sampler:
         for row, i in enumerate(random_rows):
             gen = requests[i].generator
             if gen is not None:
-                q[row] = torch.empty(probs.shape[1]).exponential_(generator=gen).to(q.device)
+                draw = torch.empty(probs.shape[1], pin_memory=q.is_cuda).exponential_(generator=gen)
+                q[row] = draw.to(q.device, non_blocking=True)
             else:
                 q[row].exponential_(generator=self.generator)
         greedy[idx] = (probs / q).argmax(dim=-1)
@@ -116,18 +154,18 @@ def filtered_probs(
     if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+        k = to_device([k if 0 < k < vocab else vocab for k in top_k], torch.int64, logits.device)
         drop = ranks[None, :] >= k[:, None]
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+        p = to_device(top_p, logits.dtype, logits.device)
         drop |= mass_before >= p[:, None]
         logits = torch.full_like(logits, float("-inf")).scatter(
             1, order, sorted_logits.masked_fill(drop, float("-inf"))
         )
     probs = logits.softmax(dim=-1)
     if any(m > 0 for m in min_p):
-        m = torch.tensor(min_p, device=logits.device, dtype=probs.dtype)
+        m = to_device(min_p, probs.dtype, logits.device)
         threshold = m[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -59,7 +59,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+            pending = request.num_tokens + request.num_placeholders - request.num_computed_tokens
+            num_new = min(pending, budget)
             while not allocate_slots(request, num_new):
                 victim = running.pop()
                 self._preempt(victim, out)

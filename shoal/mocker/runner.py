@@ -55,6 +55,13 @@ class MockRunner:
                     out.logprobs[req.request_id] = self._logprob(token, req.sampling.logprobs)
         return out
 
+    def launch(self, sched: SchedulerOutput) -> RunnerOutput:
+        """The engine's launch/collect pair: a mocked step is done as soon as it starts."""
+        return self.execute(sched)
+
+    def collect(self, out: RunnerOutput) -> RunnerOutput:
+        return out
+
     def pace(self, started: float) -> None:
         """Sleep until the step that began at `started` (time.perf_counter) has lasted its
         modelled time / speedup; host time already spent in the step counts towards it."""

@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from shoal import LLM, SamplingParams
@@ -57,3 +58,20 @@ def assert_no_leaks(llm: LLM) -> None:
     assert not kv.req_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not kv.rows and not kv.block_table.table.any()
+
+
+def outputs(llm: LLM, prompts, params):
+    """Each sequence's tokens, finish and stop reasons, logprob ids and ranks, and the
+    logprob values apart (see assert_same)."""
+    seqs = [c for o in llm.generate(prompts, params) for c in o.outputs]
+    exact = [(c.token_ids, c.finish_reason, c.stop_reason) for c in seqs]
+    lps = [c.logprobs or [] for c in seqs]
+    exact.append([[(lp.token_ids, lp.ranks) for lp in seq] for seq in lps])
+    return exact, [x for seq in lps for lp in seq for x in lp.logprobs]
+
+
+def assert_same(got, expected) -> None:
+    """Equal but for logprob values within 1e-4: a batch that still holds a stopped
+    sequence's extra row can move float sums in the 6th digit."""
+    assert got[0] == expected[0]
+    assert got[1] == pytest.approx(expected[1], abs=1e-4)

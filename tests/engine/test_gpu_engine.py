@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_no_leaks, greedy, random_prompts, token_ids
+from helpers import assert_no_leaks, assert_same, greedy, outputs, random_prompts, token_ids
 
 from shoal import LLM as _LLM
 from shoal import SamplingParams
@@ -35,11 +35,17 @@ def test_float32_greedy_equals_cpu(model_dirs, arch, eager):
     assert_no_leaks(gpu)
 
 
-def test_chunked_prefill_prefix_cache_and_preemption_on_gpu(llama_dir):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_chunked_prefill_prefix_cache_and_preemption_on_gpu(llama_dir, async_scheduling):
     cpu = LLM(str(llama_dir), device="cpu", enable_prefix_caching=False)
     expected = token_ids(cpu, PROMPTS, greedy(24))
     gpu = LLM(
-        str(llama_dir), device="cuda", block_size=8, num_gpu_blocks=40, max_num_batched_tokens=13
+        str(llama_dir),
+        device="cuda",
+        block_size=8,
+        num_gpu_blocks=40,
+        max_num_batched_tokens=13,
+        async_scheduling=async_scheduling,
     )
     assert token_ids(gpu, PROMPTS, greedy(24)) == expected
     assert gpu.engine.scheduler.num_preemptions > 0
@@ -64,3 +70,18 @@ def test_seeded_sampling_on_gpu_is_batch_independent(llama_dir):
     alone = token_ids(gpu, [PROMPTS[0]], seeded)
     batch = token_ids(gpu, PROMPTS[:3], [seeded, greedy(16), SamplingParams(temperature=0.5)])
     assert alone[0] == batch[0]
+
+
+def test_async_scheduling_sampling_equals_sync_on_gpu(llama_dir):
+    """Seeds, top-k/p, logprobs, min_tokens, penalties and stop ids, overlapped on the GPU."""
+    sync = LLM(str(llama_dir), device="cuda", async_scheduling=False)
+    overlapped = LLM(str(llama_dir), device="cuda", async_scheduling=True)
+    for params in [
+        SamplingParams(temperature=0.8, top_k=20, seed=5, n=2, max_tokens=10, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, min_tokens=4),
+        SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, min_p=0.05),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[7, 99, 200]),
+    ]:
+        assert_same(outputs(overlapped, PROMPTS, params), outputs(sync, PROMPTS, params))
+    assert_no_leaks(overlapped)
