@@ -34,19 +34,14 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from router_bench import MOONCAKE, RESULTS, git_commit, tiny_model_dir
 
-from shoal.bench.trace import TraceEntry, load_trace
+from shoal.bench.trace import TraceEntry, TraceSynthesis, load_trace
 from shoal.engine.config import EngineConfig
 from shoal.mocker.engine import MockEngine
-from shoal.protocol import (
-    EngineRequest,
-    InstanceRecord,
-    LoadReport,
-    ModelCard,
-    SamplingParams,
-)
+from shoal.protocol import EngineRequest, InstanceRecord, ModelCard, SamplingParams
 from shoal.router import make_router
 from shoal.router.kv_router import KvRouter
 from shoal.router.selector import KvRouterConfig
+from shoal.worker.kv_publisher import load_report
 
 LOAD_REPORT_PERIOD = 0.2  # seconds, as shoal.worker.kv_publisher
 BLOCK_SIZE = 16
@@ -68,19 +63,17 @@ class _Runtime:
 
 
 def synthesize(
-    entries: list[TraceEntry], input_scale: float, output_scale: float, vocab: int
+    entries: list[TraceEntry], synthesis: TraceSynthesis, vocab: int
 ) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output tokens) per entry: equal hash ids give equal token blocks."""
-    scaled = max(1, round(512 * input_scale))
+    """(prompt token ids, output tokens) per entry, with the block sizes `shoal bench`
+    replays the trace with: equal hash ids give equal token blocks."""
     requests = []
-    for entry in entries:
-        full = len(entry.hash_ids) - 1
-        last = min(scaled, max(1, round((entry.input_length - full * 512) * input_scale)))
+    for i, entry in enumerate(entries):
         tokens: list[int] = []
-        for j, h in enumerate(entry.hash_ids):
-            rng = random.Random(h)
-            tokens += [rng.randrange(4, vocab) for _ in range(scaled if j < full else last)]
-        requests.append((tokens, max(1, round(entry.output_length * output_scale))))
+        for namespace, key, size in synthesis.blocks(entry, i):
+            rng = random.Random(f"{namespace}:{key}")
+            tokens += [rng.randrange(4, vocab) for _ in range(size)]
+        requests.append((tokens, synthesis.output_tokens(entry)))
     return requests
 
 
@@ -135,15 +128,7 @@ def simulate(
 
     def report_load() -> None:
         for inst, engine in zip(instances, engines, strict=True):
-            kv = engine.kv
-            report = LoadReport(
-                worker_id=inst.instance_id,
-                num_running=engine.num_running,
-                num_waiting=engine.num_waiting,
-                active_blocks=kv.num_active_blocks,
-                total_blocks=kv.num_blocks,
-            )
-            policy.load.report(report)
+            policy.load.report(load_report(inst.instance_id, engine))
 
     i = 0
     heap: list[tuple[float, int]] = []  # (step end, worker)
@@ -226,7 +211,8 @@ def main() -> int:
     model = tiny_model_dir(Path(tempfile.mkdtemp(prefix="router-sim-model-")))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     entries = load_trace(args.trace, limit=args.num_requests)
-    requests = synthesize(entries, args.input_scale, args.output_scale, vocab)
+    synthesis = TraceSynthesis(input_scale=args.input_scale, output_scale=args.output_scale)
+    requests = synthesize(entries, synthesis, vocab)
     stamp = {
         "date": datetime.date.today().isoformat(),
         "commit": os.environ.get("SHOAL_COMMIT") or git_commit(),

@@ -16,7 +16,7 @@ import torch
 from shoal.engine.cuda_graphs import DecodeGraphs
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request
-from shoal.engine.sampler import SampledTokens, Sampler, top_logprobs
+from shoal.engine.sampler import SampledTokens, Sampler, logprob_pieces, token_logprobs
 from shoal.engine.scheduler import SchedulerOutput
 from shoal.engine.transfer import to_device, to_host
 from shoal.layers.attention import AttentionMetadata
@@ -280,9 +280,11 @@ class ModelRunner:
         for req, row, first_pos, count in prompt_lp:
             lp = torch.log_softmax(logits[row : row + count].float(), dim=-1)
             targets = req.all_token_ids[first_pos + 1 : first_pos + 1 + count]
-            handle.prompt_logprobs[req.request_id] = [
-                top_logprobs(lp[j], t, req.sampling.prompt_logprobs) for j, t in enumerate(targets)
-            ]
+            num_top = req.sampling.prompt_logprobs
+            pieces = logprob_pieces(lp, to_device(targets, torch.int64, self.device), num_top)
+            handle.prompt_logprobs[req.request_id] = token_logprobs(
+                targets, *(t.tolist() for t in pieces), [num_top] * count
+            )
         sample_reqs = [reqs[i] for i in sampled.tolist()]
         self._last_rows = {r.request_id: j for j, r in enumerate(sample_reqs)}
         if sample_reqs:
@@ -307,10 +309,6 @@ class ModelRunner:
         for row, lp in handle.draw.logprobs(tokens).items():
             out.logprobs[handle.request_ids[row]] = lp
         return out
-
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """launch and collect: one step, synchronously."""
-        return self.collect(self.launch(sched))
 
     def _placeholder_patch(self, reqs: list[Request], query_start: np.ndarray):
         """A function that writes the pending tokens into the device's input ids, or None."""

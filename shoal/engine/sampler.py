@@ -38,16 +38,10 @@ class SampledTokens:
         """Row -> TokenLogprob, from host copies of the fields (see ModelRunner.collect)."""
         if not self.logprob_rows:
             return {}
-        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
-        values, ids = self.top_values.tolist(), self.top_ids.tolist()
-        out = {}
-        for j, (row, k) in enumerate(zip(self.logprob_rows, self.logprob_tops, strict=True)):
-            out[row] = TokenLogprob(
-                [token_ids[row], *ids[j][:k]],
-                [chosen[j], *values[j][:k]],
-                [ranks[j], *range(1, k + 1)],
-            )
-        return out
+        chosen = [token_ids[row] for row in self.logprob_rows]
+        pieces = (t.tolist() for t in (self.chosen, self.ranks, self.top_values, self.top_ids))
+        entries = token_logprobs(chosen, *pieces, self.logprob_tops)
+        return dict(zip(self.logprob_rows, entries, strict=True))
 
     def map(self, fn) -> SampledTokens:
         """The same draws with every tensor passed through fn (e.g. a copy to the host)."""
@@ -82,10 +76,9 @@ class Sampler:
         draw = SampledTokens(tokens, rows, [requests[i].sampling.logprobs for i in rows])
         if raw_logprobs is not None:
             index = to_device(rows, torch.int64, logits.device)
-            chosen = raw_logprobs.gather(1, tokens[index].unsqueeze(1))
-            draw.chosen = chosen.squeeze(1)
-            draw.ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-            draw.top_values, draw.top_ids = raw_logprobs.topk(max(draw.logprob_tops), dim=-1)
+            draw.chosen, draw.ranks, draw.top_values, draw.top_ids = logprob_pieces(
+                raw_logprobs, tokens[index], max(draw.logprob_tops)
+            )
         return draw
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -172,14 +165,30 @@ def filtered_probs(
     return probs
 
 
-def top_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
-    """The chosen token's logprob and rank, followed by the num_top most likely tokens."""
-    chosen = logprobs[token_id]
-    rank = int((logprobs > chosen).sum()) + 1
-    ids, lps, ranks = [token_id], [float(chosen)], [rank]
-    if num_top:
-        values, indices = logprobs.topk(num_top)
-        ids += indices.tolist()
-        lps += values.tolist()
-        ranks += list(range(1, num_top + 1))
-    return TokenLogprob(ids, lps, ranks)
+def logprob_pieces(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of logprobs [R, V]: token_ids[r]'s logprob and rank, and the num_top highest
+    logprobs with their ids; all on the device."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return chosen.squeeze(1), ranks, top_values, top_ids
+
+
+def token_logprobs(
+    token_ids: list[int],
+    chosen: list[float],
+    ranks: list[int],
+    top_values: list[list[float]],
+    top_ids: list[list[int]],
+    num_tops: list[int],
+) -> list[TokenLogprob]:
+    """TokenLogprobs from host copies of logprob_pieces: each row's chosen token, then its
+    own num_tops[r] most likely tokens."""
+    return [
+        TokenLogprob([t, *ids[:k]], [c, *values[:k]], [r, *range(1, k + 1)])
+        for t, c, r, values, ids, k in zip(
+            token_ids, chosen, ranks, top_values, top_ids, num_tops, strict=True
+        )
+    ]

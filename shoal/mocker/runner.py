@@ -36,7 +36,8 @@ class MockRunner:
         self.simulated_seconds = 0.0  # modelled GPU time of every step so far
         self._owed = 0.0  # wall seconds the current step should last
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> RunnerOutput:
+        """The model runner's launch: a mocked step is done as soon as it starts (see collect)."""
         modelled = self.timing.step_seconds(sched)
         self.simulated_seconds += modelled
         self._owed = modelled / self.speedup
@@ -55,11 +56,8 @@ class MockRunner:
                     out.logprobs[req.request_id] = self._logprob(token, req.sampling.logprobs)
         return out
 
-    def launch(self, sched: SchedulerOutput) -> RunnerOutput:
-        """The engine's launch/collect pair: a mocked step is done as soon as it starts."""
-        return self.execute(sched)
-
     def collect(self, out: RunnerOutput) -> RunnerOutput:
+        """The launched step's output (already complete)."""
         return out
 
     def pace(self, started: float) -> None:

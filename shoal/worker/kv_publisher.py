@@ -38,18 +38,7 @@ class KVPublisher:
             self._publisher.publish(KV_EVENTS_TOPIC, batch)
 
     def publish_load(self, engine: LLMEngine) -> None:
-        kv = engine.kv
-        self._publisher.publish(
-            LOAD_TOPIC,
-            LoadReport(
-                worker_id=self.worker_id,
-                num_running=engine.num_running,
-                num_waiting=engine.num_waiting,
-                active_blocks=kv.num_active_blocks,
-                total_blocks=kv.num_blocks,
-                timestamp=time.time(),
-            ),
-        )
+        self._publisher.publish(LOAD_TOPIC, load_report(self.worker_id, engine, time.time()))
 
     def dump(self, engine: LLMEngine) -> KVStateDump:
         """Every cached block, after sending pending events so `seq` covers them."""
@@ -63,3 +52,15 @@ class KVPublisher:
 
     def close(self) -> None:
         self._publisher.close()
+
+
+def load_report(worker_id: str, engine: LLMEngine, timestamp: float = 0.0) -> LoadReport:
+    """The engine's load as a worker reports it: running, waiting, active and total blocks."""
+    return LoadReport(
+        worker_id=worker_id,
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting,
+        active_blocks=engine.kv.num_active_blocks,
+        total_blocks=engine.kv.num_blocks,
+        timestamp=timestamp,
+    )
