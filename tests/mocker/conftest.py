@@ -10,21 +10,18 @@ import pytest
 from tiny_models import ARCHITECTURES, BASE, VOCAB_SIZE, write_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))  # serve_helpers
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))  # engine_bench
 
-LLAMA_8B = dict(  # Llama-3.1-8B's config.json fields that the engine reads
-    architectures=["LlamaForCausalLM"],
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    bos_token_id=128000,
-    eos_token_id=[128001, 128008, 128009],
-    torch_dtype="bfloat16",
-)
+from engine_bench import SHAPES
+
+# the shape the GPU benchmark measured (and the timing defaults were fitted to), with
+# Llama-3.1-8B's special tokens and dtype
+LLAMA_8B = {
+    **SHAPES["llama-3.1-8b"],
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16",
+}
 
 
 def write_config_only(path: Path, config: dict) -> Path:
