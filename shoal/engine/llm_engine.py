@@ -227,9 +227,10 @@ class LLMEngine:
         With async scheduling the batch is launched on the device and the outputs returned
         are those of the previous batch: the host schedules and prepares step N+1 while the
         device runs step N. Each sequence then counts the token step N is sampling for it as
-        a placeholder, and a sequence that stops at step N has one wasted token computed in
-        step N+1. A batch whose sequences sample with penalties (which read the tokens
-        themselves) waits for the step before it.
+        a placeholder, and a sequence that stops on a token sampled at step N has one wasted
+        token computed in step N+1 (one that reaches max_tokens is not scheduled again). A
+        batch whose sequences sample with penalties (which read the tokens themselves) waits
+        for the step before it.
         """
         outputs: list[EngineOutput] = []
         if self._in_flight is not None and self._in_flight.needs_history:

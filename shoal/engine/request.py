@@ -114,6 +114,16 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
+    def ends_with_placeholder(self, max_model_len: int) -> bool:
+        """Whether the token being sampled on the device is certain to be the last one
+        (max_tokens or max_model_len reached), so the sequence needs no further step."""
+        if not self.num_placeholders:
+            return False
+        return (
+            self.num_output_tokens >= self.max_tokens
+            or self.num_tokens + self.num_placeholders >= max_model_len
+        )
+
     def check_stop(self, max_model_len: int) -> bool:
         """Decide, after a token was appended, whether this sequence is done."""
         tokens = self.all_token_ids

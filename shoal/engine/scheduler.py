@@ -56,9 +56,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         running, allocate_slots = self.running, self.kv.allocate_slots
+        max_model_len = self.config.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            if request.ends_with_placeholder(max_model_len):
+                i += 1  # finishes when the step in flight completes: a step more is waste
+                continue
             pending = request.num_tokens + request.num_placeholders - request.num_computed_tokens
             num_new = min(pending, budget)
             while not allocate_slots(request, num_new):

@@ -96,3 +96,27 @@ def test_abort_while_a_step_is_in_flight(llama_dir):
         got += [t for o in outs for t in o.new_token_ids]
     assert got == solo
     assert_no_leaks(overlapped)
+
+
+def test_no_step_is_scheduled_past_max_tokens_or_max_model_len(llama_dir):
+    """A sequence whose token in flight is its last by length is not scheduled again: each
+    request is fed its prompt and all its output tokens but the last, as synchronously."""
+    scheduled: dict[object, int] = {}  # per Request object: ids repeat across generate calls
+    _, overlapped = pair(llama_dir, max_model_len=128, enable_prefix_caching=False)
+    schedule = overlapped.engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        for req, n in zip(out.requests, out.num_new_tokens, strict=True):
+            scheduled[req] = scheduled.get(req, 0) + n
+        return out
+
+    overlapped.engine.scheduler.schedule = counting_schedule
+    lengths = [1, 2, 7]
+    for n in lengths:
+        overlapped.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=n))
+    long_prompt = (PROMPTS[2] + PROMPTS[5])[:124]  # max_model_len 128 ends it at 4 tokens
+    overlapped.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=None))
+    expected = [len(p) + n - 1 for n in lengths for p in PROMPTS[:3]] + [127]
+    assert list(scheduled.values()) == expected
+    assert_no_leaks(overlapped)
