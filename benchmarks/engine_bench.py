@@ -80,6 +80,7 @@ def make_engine(shape: str, args: argparse.Namespace) -> LLMEngine:
             enable_prefix_caching=False,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             async_scheduling=False if args.no_async_scheduling else None,
+            enforce_eager=getattr(args, "enforce_eager", False),
         )
     )
 
