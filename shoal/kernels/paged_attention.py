@@ -8,7 +8,8 @@ tokens' K and V are stored by shoal/kernels/qk_rope.py, fused with the rotary em
   one KV head are packed into the rows of one tile (GQA packing), so K/V are read once per
   group.
 - decode attention: one query per sequence, the context split across programs
-  (flash-decoding) so short batches still fill the GPU; a second kernel merges the splits.
+  (flash-decoding) so short batches still fill the GPU; a second kernel merges the splits
+  (large batches run one split per sequence, which writes the output itself).
   Shapes depend only on the batch size, so it can be captured in a CUDA graph.
 
 pure-torch references: shoal/kernels/paged_attention_ref.py.
@@ -222,11 +223,14 @@ def _decode_split_kernel(
     part_m,
     part_l,
     part_acc,
+    out,
     block_tables,
     seq_lens,
     scale,
     stride_qt,
     stride_qh,
+    stride_ot,
+    stride_oh,
     stride_bt,
     half,
     GROUP: tl.constexpr,
@@ -286,6 +290,14 @@ def _decode_split_kernel(
             HEAD_DIM,
             PRECISION,
         )
+    if NUM_SPLITS == 1:  # the whole context in one program: write the output, no merge
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out + seq.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+        return
     base = (seq * NUM_KV_HEADS * GROUP + head) * NUM_SPLITS + split
     tl.store(part_m + base, m_i, mask=row_ok)
     tl.store(part_l + base, l_i, mask=row_ok)
@@ -376,11 +388,14 @@ def decode_attention(
         workspace.m,
         workspace.l,
         workspace.acc,
+        out,
         block_tables,
         seq_lens,
         scale,
         query.stride(0),
         query.stride(1),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
         kv_cache[0].numel(),
         GROUP=group,
@@ -395,6 +410,8 @@ def decode_attention(
         num_warps=4,
         num_stages=2,
     )
+    if splits == 1:
+        return out
     _decode_merge_kernel[(batch, num_heads)](
         workspace.m,
         workspace.l,

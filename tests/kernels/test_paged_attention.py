@@ -80,6 +80,7 @@ def test_prefill_attention_matches_reference(seq_lens, query_lens, heads, kv, di
         ([37, 1, 16, 17], 4, 2, 64, 16, 4),
         ([130, 5], 8, 1, 128, 16, 8),
         ([64], 12, 4, 64, 8, 2),
+        ([37, 1, 16, 17], 4, 2, 64, 16, 1),  # one split: no merge kernel
     ],
 )
 def test_decode_attention_matches_reference(seq_lens, heads, kv, dim, page, splits):
