@@ -8,25 +8,33 @@ Mooncake-format trace are routed by the policies `shoal serve --router-mode` bui
 (shoal.router.make_router), fed the way the frontend feeds them: each engine's KV events
 after every step, a load report from each worker every 0.2 s, first-token and finish hooks.
 
-What it leaves out: the network and the frontend (tokenizing, streaming), and the event
-plane's delay (events reach the router at the end of the step that made them).
+What it leaves out: the network and the frontend (tokenizing, streaming), the event
+plane's delay (events reach the router at the end of the step that made them) and the
+host's time between steps. Options put each back as a fixed delay in model time (LiveEffects),
+to see which of them a live run's figures need.
 
     python benchmarks/router_sim.py                                  # default sweep
     python benchmarks/router_sim.py --speeds 17,30 --modes round-robin,kv
+    python benchmarks/router_sim.py --speeds 30 --step-overhead-ms 2 --hook-delay-ms 5
+    python benchmarks/router_sim.py --speeds 30 --arrival-jitter-ms 2 --repeats 10
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import heapq
+import itertools
 import json
-import math
 import os
 import random
+import statistics
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -37,7 +45,14 @@ from router_bench import MOONCAKE, RESULTS, git_commit, tiny_model_dir
 from shoal.bench.trace import TraceEntry, TraceSynthesis, load_trace
 from shoal.engine.config import EngineConfig
 from shoal.mocker.engine import MockEngine
-from shoal.protocol import EngineRequest, InstanceRecord, ModelCard, SamplingParams
+from shoal.protocol import (
+    EngineOutput,
+    EngineRequest,
+    InstanceRecord,
+    KVEvent,
+    ModelCard,
+    SamplingParams,
+)
 from shoal.router import make_router
 from shoal.router.kv_router import KvRouter
 from shoal.router.selector import KvRouterConfig
@@ -62,9 +77,10 @@ class _Runtime:
         self.requests = _Streams()
 
 
-def synthesize(
-    entries: list[TraceEntry], synthesis: TraceSynthesis, vocab: int
-) -> list[tuple[list[int], int]]:
+Request = tuple[list[int], int]  # prompt token ids, output tokens
+
+
+def synthesize(entries: list[TraceEntry], synthesis: TraceSynthesis, vocab: int) -> list[Request]:
     """(prompt token ids, output tokens) per entry, with the block sizes `shoal bench`
     replays the trace with: equal hash ids give equal token blocks."""
     requests = []
@@ -77,22 +93,138 @@ def synthesize(
     return requests
 
 
-def simulate(
-    mode: str,
-    arrivals: list[float],
-    requests: list[tuple[list[int], int]],
-    model: Path,
-    workers: int,
-    kv_blocks: int,
-    kv_config: KvRouterConfig,
-) -> dict:
-    """Route and run every request; TTFT percentiles, hit rate and makespan in virtual time."""
-    runtime = _Runtime()
-    policy = make_router(mode, runtime, kv_config=kv_config, registry=CollectorRegistry())
-    engines = [
-        MockEngine(EngineConfig(model=str(model), num_gpu_blocks=kv_blocks, seed=i), speedup=1e12)
-        for i in range(workers)
-    ]
+@dataclass(frozen=True)
+class LiveEffects:
+    """What a live deployment adds to the simulation; every delay in model seconds, 0 as
+    simulated. Live runs in slow motion divide wall delays by 1 / mocker speedup."""
+
+    event_delay: float = 0.0  # a step's end -> the router applies its KV events
+    report_delay: float = 0.0  # a worker's load snapshot -> the router applies it
+    report_period: float = LOAD_REPORT_PERIOD  # between a worker's load reports
+    hook_delay: float = 0.0  # a step's end -> the frontend has its outputs (hooks, TTFT)
+    route_delay: float = 0.0  # a request's arrival -> the router routes it to a worker
+    step_overhead: float = 0.0  # host time added to every engine step
+
+
+# Order of events due at the same time: load reports, then arrivals, then step ends.
+_REPORT, _ARRIVAL, _STEP_END, _DELAYED = range(4)
+
+
+class _Simulation:
+    """One mode over the whole trace: a heap of timed callbacks on a shared virtual clock."""
+
+    def __init__(
+        self,
+        mode: str,
+        requests: list[Request],
+        engines: list[MockEngine],
+        kv_config: KvRouterConfig,
+        effects: LiveEffects,
+    ) -> None:
+        self.runtime = _Runtime()
+        self.policy = make_router(
+            mode, self.runtime, kv_config=kv_config, registry=CollectorRegistry(), seed=0
+        )
+        self.kv_router = self.policy if isinstance(self.policy, KvRouter) else None
+        self.requests = requests
+        self.engines = engines
+        self.effects = effects
+        self.instances = [_instance(i, e.kv.num_blocks) for i, e in enumerate(engines)]
+        if self.kv_router is not None:
+            for inst, engine in zip(self.instances, engines, strict=True):
+                self.kv_router.load.set_capacity(inst.instance_id, engine.kv.num_blocks)
+        self.stepping = [False] * len(engines)
+        self.clock = 0.0
+        self.last_step_end = 0.0
+        self.arrived: dict[str, float] = {}  # request id -> arrival, until its first token
+        self.ttft: list[float] = []
+        self.hits = [0, 0]  # cached prompt tokens, prompt tokens (as the engines report them)
+        self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+
+    def run(self, arrivals: list[float]) -> dict:
+        """Route and run every request; TTFT percentiles, hit rate and makespan."""
+        for i, t in enumerate(arrivals):
+            self._at(t, _ARRIVAL, functools.partial(self._arrive, i))
+        if self.kv_router is not None:
+            self._at(self.effects.report_period, _REPORT, self._report_load)
+        while self._heap:
+            self.clock, _, _, callback = heapq.heappop(self._heap)
+            callback()
+        return _summary(sorted(self.ttft), self.hits, self.last_step_end)
+
+    def _at(self, time: float, kind: int, callback: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (time, kind, next(self._order), callback))
+
+    def _after(self, delay: float, callback: Callable[[], None]) -> None:
+        """Run `callback` `delay` seconds from now (at once if 0)."""
+        if delay > 0:
+            self._at(self.clock + delay, _DELAYED, callback)
+        else:
+            callback()
+
+    def _arrive(self, i: int) -> None:
+        self.arrived[str(i)] = self.clock
+        self._after(self.effects.route_delay, functools.partial(self._route, i))
+
+    def _route(self, i: int) -> None:
+        tokens, max_tokens = self.requests[i]
+        request = EngineRequest(
+            request_id=str(i),
+            prompt_token_ids=tokens,
+            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
+        w = self.instances.index(self.policy.select(self.instances, request))
+        self.runtime.requests.open[self.instances[w].address] += 1
+        self.engines[w].add_request(request)
+        if not self.stepping[w]:
+            self._begin_step(w)
+
+    def _begin_step(self, w: int) -> None:
+        engine = self.engines[w]
+        self.stepping[w] = engine.has_unfinished_requests()
+        if not self.stepping[w]:
+            return
+        before = engine.runner.simulated_seconds
+        outputs = engine.step()
+        events = engine.take_kv_events()
+        duration = engine.runner.simulated_seconds - before + self.effects.step_overhead
+        end = functools.partial(self._end_step, w, outputs, events)
+        self._at(self.clock + duration, _STEP_END, end)
+
+    def _end_step(self, w: int, outputs: list[EngineOutput], events: list[KVEvent]) -> None:
+        self.last_step_end = self.clock
+        if self.kv_router is not None and events:
+            worker = self.instances[w].instance_id
+            apply = functools.partial(self.kv_router.indexer.apply_batch, worker, events)
+            self._after(self.effects.event_delay, apply)
+        if outputs:
+            self._after(self.effects.hook_delay, functools.partial(self._deliver, w, outputs))
+        self._begin_step(w)
+
+    def _deliver(self, w: int, outputs: list[EngineOutput]) -> None:
+        """The frontend gets a step's outputs: TTFT, hit rate and the policy's hooks."""
+        for out in outputs:
+            if out.num_prompt_tokens and out.request_id in self.arrived:
+                self.ttft.append(self.clock - self.arrived.pop(out.request_id))
+                self.hits[0] += out.num_cached_tokens
+                self.hits[1] += out.num_prompt_tokens
+                self.policy.first_token(out.request_id)
+            if out.finished:
+                self.runtime.requests.open[self.instances[w].address] -= 1
+                self.policy.finished(out.request_id)
+
+    def _report_load(self) -> None:
+        """Each worker's load report, then the next round while anything else is due."""
+        for inst, engine in zip(self.instances, self.engines, strict=True):
+            report = load_report(inst.instance_id, engine)
+            apply = functools.partial(self.kv_router.load.report, report)
+            self._after(self.effects.report_delay, apply)
+        if self._heap:
+            self._at(self.clock + self.effects.report_period, _REPORT, self._report_load)
+
+
+def _instance(i: int, kv_blocks: int) -> InstanceRecord:
     card = ModelCard(
         model_name="mock",
         tokenizer="",
@@ -100,79 +232,11 @@ def simulate(
         kv_block_size=BLOCK_SIZE,
         num_kv_blocks=kv_blocks,
     )
-    instances = [
-        InstanceRecord(instance_id=f"w{i}", endpoint="sim", address=f"w{i}", card=card)
-        for i in range(workers)
-    ]
-    if isinstance(policy, KvRouter):
-        for inst in instances:
-            policy.load.set_capacity(inst.instance_id, kv_blocks)
-    in_step: list[list | None] = [None] * workers  # outputs of the step each engine is in
-    done_at = [0.0] * workers
-    arrived: dict[str, float] = {}
-    ttft: list[float] = []
-    hits = [0, 0]  # cached prompt tokens, prompt tokens (as the engines report them)
-    clock = 0.0
-    next_report = LOAD_REPORT_PERIOD
+    return InstanceRecord(instance_id=f"w{i}", endpoint="sim", address=f"w{i}", card=card)
 
-    def begin_step(w: int) -> None:
-        engine = engines[w]
-        if not engine.has_unfinished_requests():
-            in_step[w] = None
-            return
-        before = engine.runner.simulated_seconds
-        in_step[w] = engine.step()
-        done_at[w] = clock + engine.runner.simulated_seconds - before
-        if isinstance(policy, KvRouter):
-            policy.indexer.apply_batch(instances[w].instance_id, engine.take_kv_events())
 
-    def report_load() -> None:
-        for inst, engine in zip(instances, engines, strict=True):
-            policy.load.report(load_report(inst.instance_id, engine))
-
-    i = 0
-    heap: list[tuple[float, int]] = []  # (step end, worker)
-    while i < len(arrivals) or heap:
-        t_arrival = arrivals[i] if i < len(arrivals) else math.inf
-        t_step = heap[0][0] if heap else math.inf
-        t_report = next_report if isinstance(policy, KvRouter) else math.inf
-        if t_report <= min(t_arrival, t_step):
-            clock, next_report = t_report, t_report + LOAD_REPORT_PERIOD
-            report_load()
-        elif t_arrival <= t_step:
-            clock = t_arrival
-            rid = str(i)
-            tokens, max_tokens = requests[i]
-            request = EngineRequest(
-                request_id=rid,
-                prompt_token_ids=tokens,
-                sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            )
-            w = instances.index(policy.select(instances, request))
-            runtime.requests.open[instances[w].address] += 1
-            arrived[rid] = clock
-            engines[w].add_request(request)
-            if in_step[w] is None:
-                begin_step(w)
-                heapq.heappush(heap, (done_at[w], w))
-            i += 1
-        else:
-            clock, w = heapq.heappop(heap)
-            for out in in_step[w]:
-                if out.num_prompt_tokens and out.request_id in arrived:
-                    ttft.append(clock - arrived.pop(out.request_id))
-                    hits[0] += out.num_cached_tokens
-                    hits[1] += out.num_prompt_tokens
-                    policy.first_token(out.request_id)
-                if out.finished:
-                    runtime.requests.open[instances[w].address] -= 1
-                    policy.finished(out.request_id)
-            begin_step(w)
-            if in_step[w] is not None:
-                heapq.heappush(heap, (done_at[w], w))
-        if not heap and i >= len(arrivals):
-            break
-    ttft.sort()
+def _summary(ttft: list[float], hits: list[int], makespan: float) -> dict:
+    """TTFT percentiles in ms (`ttft` sorted, in seconds), hit rate and makespan."""
 
     def pct(q: float) -> float:
         return ttft[min(len(ttft) - 1, int(q * len(ttft)))] * 1e3
@@ -182,9 +246,28 @@ def simulate(
         "ttft_p90_ms": pct(0.9),
         "ttft_p99_ms": pct(0.99),
         "kv_hit_rate": hits[0] / max(1, hits[1]),
-        "makespan_s": clock,
+        "makespan_s": makespan,
         "requests": len(ttft),
     }
+
+
+def simulate(
+    mode: str,
+    arrivals: list[float],
+    requests: list[Request],
+    model: Path,
+    workers: int,
+    kv_blocks: int,
+    kv_config: KvRouterConfig,
+    effects: LiveEffects | None = None,
+) -> dict:
+    """Route and run every request; TTFT percentiles, hit rate and makespan in virtual time."""
+    engines = [
+        MockEngine(EngineConfig(model=str(model), num_gpu_blocks=kv_blocks, seed=i), speedup=1e12)
+        for i in range(workers)
+    ]
+    sim = _Simulation(mode, requests, engines, kv_config, effects or LiveEffects())
+    return sim.run(arrivals)
 
 
 def main() -> int:
@@ -199,6 +282,21 @@ def main() -> int:
     p.add_argument("--kv-blocks", type=int, default=27806, help="per worker, 16-token blocks")
     p.add_argument("--kv-overlap-credit", type=float, default=KvRouterConfig.overlap_credit)
     p.add_argument("--kv-prefill-load-scale", type=float, default=KvRouterConfig.prefill_load_scale)
+    p.add_argument(
+        "--arrival-jitter-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="delay each arrival by a uniform draw in [0, MS) model ms, so requests that the "
+        "trace gives (nearly) the same time arrive in another order, as they may live",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per speed and mode, each with its own jitter draws; figures are medians",
+    )
+    add_effect_args(p)
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     args = p.parse_args()
     try:
@@ -206,6 +304,9 @@ def main() -> int:
         kv_config = KvRouterConfig(
             overlap_credit=args.kv_overlap_credit, prefill_load_scale=args.kv_prefill_load_scale
         )
+        effects = effects_from_args(args)
+        if args.arrival_jitter_ms < 0 or args.repeats < 1:
+            raise ValueError("--arrival-jitter-ms must be >= 0 and --repeats >= 1")
     except ValueError as e:
         p.error(str(e))
     model = tiny_model_dir(Path(tempfile.mkdtemp(prefix="router-sim-model-")))
@@ -224,20 +325,38 @@ def main() -> int:
         "kv_blocks_per_worker": args.kv_blocks,
         "kv_overlap_credit": kv_config.overlap_credit,
         "kv_prefill_load_scale": kv_config.prefill_load_scale,
+        **({"live_effects": asdict(effects)} if effects != LiveEffects() else {}),
+        "arrival_jitter_ms": args.arrival_jitter_ms,
+        "repeats": args.repeats,
     }
     rows = []
     print(
         f"{'speed':>6} {'mode':13} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'hit':>6} {'makespan':>9}"
+        + ("  p50 over repeats" if args.repeats > 1 else "")
     )
     for speed in speeds:
         origin = entries[0].timestamp_ms
         arrivals = [(e.timestamp_ms - origin) / 1000 / speed for e in entries]
         for mode in args.modes.split(","):
-            r = simulate(mode, arrivals, requests, model, args.workers, args.kv_blocks, kv_config)
+            runs = [
+                simulate(
+                    mode,
+                    *jittered(arrivals, requests, args.arrival_jitter_ms / 1e3, seed),
+                    model,
+                    args.workers,
+                    args.kv_blocks,
+                    kv_config,
+                    effects,
+                )
+                for seed in range(args.repeats)
+            ]
+            r = median_run(runs)
             rows.append({**stamp, "speed": speed, "mode": mode, **r})
+            spread = f"  {r['ttft_p50_ms_min']:.1f}..{r['ttft_p50_ms_max']:.1f}"
             print(
                 f"{speed:6g} {mode:13} {r['ttft_p50_ms']:9.1f} {r['ttft_p90_ms']:8.1f}"
-                f" {r['ttft_p99_ms']:8.1f} {r['kv_hit_rate']:6.1%} {r['makespan_s']:8.1f}s",
+                f" {r['ttft_p99_ms']:8.1f} {r['kv_hit_rate']:6.1%} {r['makespan_s']:8.1f}s"
+                + (spread if args.repeats > 1 else ""),
                 flush=True,
             )
     if not args.no_record:
@@ -247,6 +366,59 @@ def main() -> int:
         plot(rows, RESULTS / "router_sim.png")
         print(f"recorded in {RESULTS / 'router_sim.jsonl'} and {RESULTS / 'router_sim.png'}")
     return 0
+
+
+def jittered(
+    arrivals: list[float], requests: list[Request], jitter: float, seed: int
+) -> tuple[list[float], list[Request]]:
+    """The arrivals each delayed by a uniform draw in [0, jitter) seconds (seeded), in time
+    order, and the requests in the same order."""
+    if jitter == 0:
+        return arrivals, requests
+    rng = random.Random(seed)
+    moved = sorted((t + rng.uniform(0, jitter), i) for i, t in enumerate(arrivals))
+    return [t for t, _ in moved], [requests[i] for _, i in moved]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over the runs, and the lowest and highest TTFT p50."""
+    p50s = [r["ttft_p50_ms"] for r in runs]
+    median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    return {**median, "ttft_p50_ms_min": min(p50s), "ttft_p50_ms_max": max(p50s)}
+
+
+EFFECT_HELP = {  # LiveEffects field -> its flag's help
+    "event_delay": "from a step's end to the router applying its KV events",
+    "report_delay": "from a worker's load snapshot to the router applying it",
+    "report_period": "between a worker's load reports",
+    "hook_delay": "from a step's end to the frontend's first-token/finish hooks and TTFT",
+    "route_delay": "from a request's arrival to its routing",
+    "step_overhead": "host time added to every engine step",
+}
+
+
+def add_effect_args(p: argparse.ArgumentParser) -> None:
+    """--event-delay-ms and the like: one flag per LiveEffects field, in model ms."""
+    group = p.add_argument_group("live effects (model ms; default: none, as simulated)")
+    for f in fields(LiveEffects):
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}-ms",
+            type=float,
+            default=f.default * 1e3,
+            metavar="MS",
+            help=EFFECT_HELP[f.name],
+        )
+
+
+def effects_from_args(args: argparse.Namespace) -> LiveEffects:
+    """The LiveEffects the flags give; ValueError if one is negative (or the period is 0)."""
+    values = {f.name: getattr(args, f"{f.name}_ms") / 1e3 for f in fields(LiveEffects)}
+    for name, value in values.items():
+        if value < 0 or (name == "report_period" and value == 0):
+            raise ValueError(
+                f"--{name.replace('_', '-')}-ms must be positive (got {value * 1e3:g})"
+            )
+    return LiveEffects(**values)
 
 
 def plot(rows: list[dict], path: Path) -> None:

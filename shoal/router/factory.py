@@ -18,16 +18,24 @@ def make_router(
     kv_config: KvRouterConfig | None = None,
     use_kv_events: bool = True,
     registry: CollectorRegistry | None = None,
+    seed: int | None = None,
 ) -> Policy:
-    """The policy named `mode`; least-loaded counts this process's open streams per worker."""
+    """The policy named `mode`; least-loaded counts this process's open streams per worker.
+
+    `seed` seeds the random choices (random mode, ties), for runs that must repeat exactly.
+    """
     if mode == "round-robin":
         return RoundRobin()
     if mode == "random":
-        return Random()
+        return Random(seed)
     if mode == "least-loaded":
-        return LeastLoaded(lambda i: runtime.requests.num_streams(i.address))
+        return LeastLoaded(lambda i: runtime.requests.num_streams(i.address), seed)
     if mode == "kv":
         return KvRouter(
-            runtime, kv_config, use_kv_events=use_kv_events, metrics=RouterMetrics(registry)
+            runtime,
+            kv_config,
+            use_kv_events=use_kv_events,
+            metrics=RouterMetrics(registry),
+            seed=seed,
         )
     raise ValueError(f"unknown router mode {mode!r} (choose from {', '.join(POLICIES)})")

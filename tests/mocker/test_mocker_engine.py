@@ -15,6 +15,7 @@ from shoal.mocker import runner as runner_module
 from shoal.mocker.engine import H100_8B_KV_TOKENS, MockEngine
 from shoal.mocker.timing import TimingModel
 from shoal.protocol import BlockStored, EngineOutput, EngineRequest, SamplingParams
+from shoal.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 SPECIAL_IDS = {0, 1, 2, 3, 4}  # the tiny tokenizer's special tokens; 1 and 3 are EOS
 FAST = 1e9  # speedup: modelled time, no waiting
@@ -59,8 +60,20 @@ def test_builds_from_config_and_tokenizer_only(mock_dir):
     assert engine.device.type == "cpu"
     assert engine.kv.num_blocks == H100_8B_KV_TOKENS // 16
     assert engine.eos_token_ids == {1, 3}
-    assert engine.runner.vocab == [i for i in range(VOCAB_SIZE) if i not in SPECIAL_IDS]
+    assert set(engine.runner.vocab) <= set(range(VOCAB_SIZE)) - SPECIAL_IDS
     assert make(mock_dir, num_gpu_blocks=7, block_size=8).kv.num_blocks == 7
+
+
+def test_every_drawable_token_streams_text_at_once(mock_dir):
+    """A client times TTFT and ITL by text: a token holding part of a UTF-8 character (the
+    tiny tokenizer's bytes >= 0x80) would show no text until a later token completes it."""
+    engine = make(mock_dir)
+    tokenizer = TextTokenizer(mock_dir).tokenizer
+    assert len(engine.runner.vocab) > VOCAB_SIZE // 2
+    for token_id in engine.runner.vocab:
+        assert IncrementalDetokenizer(tokenizer).add_tokens([token_id]) != ""
+    stream = IncrementalDetokenizer(tokenizer)
+    assert all(stream.add_tokens([t]) != "" for t in engine.runner.vocab)
 
 
 def test_every_request_runs_to_max_tokens_from_the_vocabulary(mock_dir):
