@@ -70,7 +70,7 @@ def _qk_rope_store_kernel(
     col_ok = i < HALF
     is_q = h < NUM_HEADS
     kv_head = tl.where(is_q, 0, h - NUM_HEADS)
-    slot = tl.load(slots + t).to(tl.int64)
+    slot = tl.load(slots + t + 0 * h).to(tl.int64)  # per row (a scalar in a mask: int32 in 3.9)
     is_kv = (h >= NUM_HEADS) & (kv_head < NUM_KV_HEADS) & (slot >= 0)
     q_ok, kv_ok = is_q[:, None] & col_ok[None, :], is_kv[:, None] & col_ok[None, :]
     pos = tl.load(positions + t)
