@@ -134,6 +134,7 @@ class _Simulation:
             for inst, engine in zip(self.instances, engines, strict=True):
                 self.kv_router.load.set_capacity(inst.instance_id, engine.kv.num_blocks)
         self.stepping = [False] * len(engines)
+        self.unfinished = len(requests)  # requests whose finish the frontend has not seen
         self.clock = 0.0
         self.last_step_end = 0.0
         self.arrived: dict[str, float] = {}  # request id -> arrival, until its first token
@@ -213,14 +214,15 @@ class _Simulation:
             if out.finished:
                 self.runtime.requests.open[self.instances[w].address] -= 1
                 self.policy.finished(out.request_id)
+                self.unfinished -= 1
 
     def _report_load(self) -> None:
-        """Each worker's load report, then the next round while anything else is due."""
+        """Each worker's load report, then the next round while requests are unfinished."""
         for inst, engine in zip(self.instances, self.engines, strict=True):
             report = load_report(inst.instance_id, engine)
             apply = functools.partial(self.kv_router.load.report, report)
             self._after(self.effects.report_delay, apply)
-        if self._heap:
+        if self.unfinished:
             self._at(self.clock + self.effects.report_period, _REPORT, self._report_load)
 
 
