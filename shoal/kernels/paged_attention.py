@@ -21,10 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _precision(query: torch.Tensor) -> str:
-    """Full float32 products for float32 inputs (the tests' exact mode), tensor cores otherwise."""
-    return "ieee" if query.dtype == torch.float32 else "tf32"
+from shoal.kernels import dot_precision
 
 
 @triton.jit
@@ -209,7 +206,7 @@ def prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_N=32 if block_m >= 128 or head_dim > 128 else 64,
         PAGE=page,
-        PRECISION=_precision(query),
+        PRECISION=dot_precision(query.dtype),
         num_warps=8 if block_m >= 128 else 4,  # H100, 8 x 2048 prompts: 1.28x over 4 warps
         num_stages=3 if block_m >= 128 else 2,
     )
@@ -406,7 +403,7 @@ def decode_attention(
         BLOCK_N=64 if head_dim <= 128 else 32,
         PAGE=page,
         NUM_SPLITS=splits,
-        PRECISION=_precision(query),
+        PRECISION=dot_precision(query.dtype),
         num_warps=4,
         num_stages=2,
     )

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.kernels import dot_precision
+
 MAX_ROWS = 16
 
 
@@ -137,7 +139,7 @@ def skinny_gemm(
         BLOCK_M=MAX_ROWS,
         BLOCK_N=32,
         BLOCK_K=256,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # exact float32 for tests
+        PRECISION=dot_precision(x.dtype),
         num_warps=2,
         num_stages=4,
     )
