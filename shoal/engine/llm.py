@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import torch
+
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.outputs import CompletionOutput, RequestOutput
@@ -14,8 +16,30 @@ from shoal.tokenizer import IncrementalDetokenizer, TextTokenizer
 Prompt = str | list[int]
 
 
+LARGE_GPU_BYTES = 70 * 2**30
+
+
+def offline_token_budget(gpu_memory_bytes: int | None) -> int:
+    """Tokens per step for offline runs when none is given: 16384 on a GPU of 70 GiB or more
+    (prefill in bigger steps, as vLLM's offline LLM class does there), else the engine's 8192."""
+    if gpu_memory_bytes is not None and gpu_memory_bytes >= LARGE_GPU_BYTES:
+        return 16384
+    return EngineConfig.max_num_batched_tokens
+
+
+def _gpu_memory_bytes(device: str | None) -> int | None:
+    """Total memory of the GPU the engine will run on, None when it runs on the CPU."""
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if target.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(target).total_memory
+
+
 class LLM:
     def __init__(self, model: str, **engine_options) -> None:
+        if "max_num_batched_tokens" not in engine_options:
+            memory = _gpu_memory_bytes(engine_options.get("device"))
+            engine_options["max_num_batched_tokens"] = offline_token_budget(memory)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = TextTokenizer(engine_options.get("tokenizer") or self.engine.model_dir)
         self._ids = itertools.count()

@@ -149,3 +149,14 @@ def test_async_engine_streams_and_aborts(llama_dir):
         assert not engine.engine.has_unfinished_requests()
     finally:
         engine.shutdown()
+
+
+def test_offline_token_budget_follows_gpu_memory(llama_dir):
+    from shoal.engine.llm import offline_token_budget
+
+    assert offline_token_budget(None) == 8192  # CPU
+    assert offline_token_budget(40 * 2**30) == 8192
+    assert offline_token_budget(80 * 2**30) == 16384  # an H100 80GB
+    assert LLM(str(llama_dir), device="cpu").engine.config.max_num_batched_tokens == 8192
+    given = LLM(str(llama_dir), device="cpu", max_num_batched_tokens=300)
+    assert given.engine.config.max_num_batched_tokens == 300
