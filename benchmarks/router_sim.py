@@ -3,10 +3,20 @@
 router_bench.py measures routing live, with processes, sockets and a 2-core host's noise.
 This script asks the same question without them, so a load sweep takes seconds and is
 exactly repeatable: N MockEngines (the real scheduler, KV block pool and prefix cache, with
-the mocker's timing model) advance a shared virtual clock, and requests from a
-Mooncake-format trace are routed by the policies `shoal serve --router-mode` builds
-(shoal.router.make_router), fed the way the frontend feeds them: each engine's KV events
-after every step, a load report from each worker every 0.2 s, first-token and finish hooks.
+the mocker's timing model) advance a shared virtual clock, and requests are routed by the
+policies `shoal serve --router-mode` builds (shoal.router.make_router), fed the way the
+frontend feeds them: each engine's KV events after every step, a load report from each
+worker every 0.2 s, first-token and finish hooks.
+
+Workloads (--workload), each as router_bench.py runs it live:
+
+- mooncake: the first 1,500 requests of a Mooncake-format trace with lengths / 8, replayed
+  at --speeds times the recorded rate;
+- shared-prefix: 1,500 requests in 31 groups, each a 2,048-token group prefix plus 256
+  tokens of its own, 16 out, Poisson arrivals at 50 req/s times --speeds;
+- multi-turn: 128 conversations of 5 turns, each turn adding 512 tokens to the history
+  (with the previous reply), 64 out, 32 conversations in flight times --speeds; a turn is
+  sent when the previous one finishes.
 
 What it leaves out: the network and the frontend (tokenizing, streaming), the event
 plane's delay (events reach the router at the end of the step that made them) and the
@@ -17,6 +27,7 @@ to see which of them a live run's figures need.
     python benchmarks/router_sim.py --speeds 17,30 --modes round-robin,kv
     python benchmarks/router_sim.py --speeds 30 --step-overhead-ms 2 --hook-delay-ms 5
     python benchmarks/router_sim.py --speeds 30 --arrival-jitter-ms 2 --repeats 10
+    python benchmarks/router_sim.py --workload multi-turn --arrival-jitter-ms 2 --repeats 10
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,7 +89,31 @@ class _Runtime:
         self.requests = _Streams()
 
 
-Request = tuple[list[int], int]  # prompt token ids, output tokens
+Request = tuple[list[int], int]  # a turn's new prompt token ids, its output tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the clients send: sessions of turns, each turn's prompt the session's history
+    (earlier prompts and replies) plus its new tokens. Open loop: session i starts at
+    arrivals[i]. Closed loop (arrivals None): `concurrency` sessions at a time, the next
+    one starting when one ends. Either way a session's next turn is sent when the
+    previous one finishes."""
+
+    name: str
+    sessions: list[list[Request]]
+    arrivals: list[float] | None = None
+    concurrency: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(turns) for turns in self.sessions)
+
+
+def _tokens(key: str, n: int, vocab: int) -> list[int]:
+    """`n` token ids drawn from a generator seeded by `key`: equal keys, equal tokens."""
+    rng = random.Random(key)
+    return [rng.randrange(4, vocab) for _ in range(n)]
 
 
 def synthesize(entries: list[TraceEntry], synthesis: TraceSynthesis, vocab: int) -> list[Request]:
@@ -87,10 +123,41 @@ def synthesize(entries: list[TraceEntry], synthesis: TraceSynthesis, vocab: int)
     for i, entry in enumerate(entries):
         tokens: list[int] = []
         for namespace, key, size in synthesis.blocks(entry, i):
-            rng = random.Random(f"{namespace}:{key}")
-            tokens += [rng.randrange(4, vocab) for _ in range(size)]
+            tokens += _tokens(f"{namespace}:{key}", size, vocab)
         requests.append((tokens, synthesis.output_tokens(entry)))
     return requests
+
+
+def mooncake(entries: list[TraceEntry], requests: list[Request], speed: float) -> Workload:
+    """The trace's requests as one-turn sessions at its timestamps, `speed` times faster."""
+    origin = entries[0].timestamp_ms
+    arrivals = [(e.timestamp_ms - origin) / 1000 / speed for e in entries]
+    return Workload("mooncake", [[r] for r in requests], arrivals)
+
+
+def shared_prefix(vocab: int, load: float, seed: int = 0) -> Workload:
+    """router_bench.py's shared-prefix: request i joins group i % 31 (2,048 shared tokens)
+    and adds 256 of its own, 16 out; Poisson arrivals at 50 x `load` req/s, drawn as
+    `shoal bench --seed` draws them."""
+    prefixes = [_tokens(f"prefix:{g}", 2048, vocab) for g in range(31)]
+    sessions = [[(prefixes[i % 31] + _tokens(f"request:{i}", 256, vocab), 16)] for i in range(1500)]
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / (50 * load), len(sessions) - 1)
+    return Workload("shared-prefix", sessions, [0.0, *np.cumsum(gaps).tolist()])
+
+
+def multi_turn(vocab: int, load: float) -> Workload:
+    """router_bench.py's multi-turn: 128 sessions of 5 turns of 512 new tokens, 64 out,
+    round(32 x `load`) sessions in flight."""
+    sessions = [[(_tokens(f"turn:{s}:{t}", 512, vocab), 64) for t in range(5)] for s in range(128)]
+    return Workload("multi-turn", sessions, concurrency=max(1, round(32 * load)))
+
+
+WORKLOADS = {  # name -> KV blocks per worker, as router_bench.py gives them, and its speeds
+    "mooncake": (27806, "1,10,17,23,26,28,30,32,35"),
+    "shared-prefix": (2048, "1"),
+    "multi-turn": (2048, "1"),
+}
 
 
 @dataclass(frozen=True)
@@ -111,48 +178,70 @@ _REPORT, _ARRIVAL, _STEP_END, _DELAYED = range(4)
 
 
 class _Simulation:
-    """One mode over the whole trace: a heap of timed callbacks on a shared virtual clock."""
+    """One mode over a whole workload: a heap of timed callbacks on a shared virtual clock."""
 
     def __init__(
         self,
         mode: str,
-        requests: list[Request],
+        workload: Workload,
         engines: list[MockEngine],
         kv_config: KvRouterConfig,
         effects: LiveEffects,
+        jitter: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.runtime = _Runtime()
         self.policy = make_router(
             mode, self.runtime, kv_config=kv_config, registry=CollectorRegistry(), seed=0
         )
         self.kv_router = self.policy if isinstance(self.policy, KvRouter) else None
-        self.requests = requests
+        self.workload = workload
         self.engines = engines
         self.effects = effects
+        self.jitter = jitter
+        self.rng = random.Random(seed)  # a closed loop's send delays
         self.instances = [_instance(i, e.kv.num_blocks) for i, e in enumerate(engines)]
         if self.kv_router is not None:
             for inst, engine in zip(self.instances, engines, strict=True):
                 self.kv_router.load.set_capacity(inst.instance_id, engine.kv.num_blocks)
         self.stepping = [False] * len(engines)
-        self.unfinished = len(requests)  # requests whose finish the frontend has not seen
+        self.unfinished = workload.num_requests  # requests whose finish the frontend has not seen
+        self.next_session = 0  # closed loop: the next session to start
         self.clock = 0.0
         self.last_step_end = 0.0
+        self.last_finish = 0.0
+        self.prompts: dict[str, tuple[list[int], int]] = {}  # request id -> prompt, max tokens
+        self.replies: dict[str, list[int]] = {}  # request id -> its tokens, if a turn follows
         self.arrived: dict[str, float] = {}  # request id -> arrival, until its first token
+        self.last_token: dict[str, float] = {}  # request id -> when its last token came
         self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.output_tokens = 0
         self.hits = [0, 0]  # cached prompt tokens, prompt tokens (as the engines report them)
         self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
         self._order = itertools.count()
 
-    def run(self, arrivals: list[float]) -> dict:
-        """Route and run every request; TTFT percentiles, hit rate and makespan."""
-        for i, t in enumerate(arrivals):
-            self._at(t, _ARRIVAL, functools.partial(self._arrive, i))
+    def run(self) -> dict:
+        """Route and run every request; TTFT percentiles, hit rate, throughput and makespan."""
+        if self.workload.arrivals is not None:
+            for s, t in enumerate(self.workload.arrivals):
+                self._at(t, _ARRIVAL, functools.partial(self._arrive, s, 0, []))
+        else:
+            for _ in range(min(self.workload.concurrency, len(self.workload.sessions))):
+                self._start_next_session()
         if self.kv_router is not None:
             self._at(self.effects.report_period, _REPORT, self._report_load)
         while self._heap:
             self.clock, _, _, callback = heapq.heappop(self._heap)
             callback()
-        return _summary(sorted(self.ttft), self.hits, self.last_step_end)
+        return _summary(
+            sorted(self.ttft),
+            sorted(self.itl),
+            self.hits,
+            self.last_step_end,
+            self.workload.num_requests / self.last_finish,
+            self.output_tokens / self.last_finish,
+        )
 
     def _at(self, time: float, kind: int, callback: Callable[[], None]) -> None:
         heapq.heappush(self._heap, (time, kind, next(self._order), callback))
@@ -164,14 +253,30 @@ class _Simulation:
         else:
             callback()
 
-    def _arrive(self, i: int) -> None:
-        self.arrived[str(i)] = self.clock
-        self._after(self.effects.route_delay, functools.partial(self._route, i))
+    def _send_later(self, s: int, t: int, history: list[int]) -> None:
+        """A closed loop's or a conversation's next request, after a draw in [0, jitter)."""
+        delay = self.rng.uniform(0, self.jitter) if self.jitter else 0.0
+        self._at(self.clock + delay, _ARRIVAL, functools.partial(self._arrive, s, t, history))
 
-    def _route(self, i: int) -> None:
-        tokens, max_tokens = self.requests[i]
+    def _start_next_session(self) -> None:
+        if self.next_session < len(self.workload.sessions):
+            self._send_later(self.next_session, 0, [])
+            self.next_session += 1
+
+    def _arrive(self, s: int, t: int, history: list[int]) -> None:
+        """Turn `t` of session `s` arrives at the frontend: its prompt follows `history`."""
+        new_tokens, max_tokens = self.workload.sessions[s][t]
+        request_id = f"{s}.{t}"
+        self.prompts[request_id] = (history + new_tokens, max_tokens)
+        if t + 1 < len(self.workload.sessions[s]):
+            self.replies[request_id] = []
+        self.arrived[request_id] = self.clock
+        self._after(self.effects.route_delay, functools.partial(self._route, request_id))
+
+    def _route(self, request_id: str) -> None:
+        tokens, max_tokens = self.prompts[request_id]
         request = EngineRequest(
-            request_id=str(i),
+            request_id=request_id,
             prompt_token_ids=tokens,
             sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         )
@@ -204,17 +309,37 @@ class _Simulation:
         self._begin_step(w)
 
     def _deliver(self, w: int, outputs: list[EngineOutput]) -> None:
-        """The frontend gets a step's outputs: TTFT, hit rate and the policy's hooks."""
+        """The frontend gets a step's outputs: TTFT, ITL, hit rate and the policy's hooks."""
         for out in outputs:
-            if out.num_prompt_tokens and out.request_id in self.arrived:
-                self.ttft.append(self.clock - self.arrived.pop(out.request_id))
+            rid = out.request_id
+            if out.num_prompt_tokens and rid in self.arrived:
+                self.ttft.append(self.clock - self.arrived.pop(rid))
                 self.hits[0] += out.num_cached_tokens
                 self.hits[1] += out.num_prompt_tokens
-                self.policy.first_token(out.request_id)
+                self.policy.first_token(rid)
+            elif out.new_token_ids and rid in self.last_token:
+                self.itl.append(self.clock - self.last_token[rid])
+            self.last_token[rid] = self.clock
+            self.output_tokens += len(out.new_token_ids)
+            if rid in self.replies:
+                self.replies[rid] += out.new_token_ids
             if out.finished:
                 self.runtime.requests.open[self.instances[w].address] -= 1
-                self.policy.finished(out.request_id)
+                self.policy.finished(rid)
                 self.unfinished -= 1
+                self.last_finish = self.clock
+                self._next_turn(rid)
+
+    def _next_turn(self, request_id: str) -> None:
+        """After a finished request: its session's next turn, or (closed loop) a new session."""
+        prompt, _ = self.prompts.pop(request_id)
+        del self.last_token[request_id]
+        reply = self.replies.pop(request_id, None)
+        if reply is not None:
+            s, t = map(int, request_id.split("."))
+            self._send_later(s, t + 1, prompt + reply)
+        elif self.workload.arrivals is None:
+            self._start_next_session()
 
     def _report_load(self) -> None:
         """Each worker's load report, then the next round while requests are unfinished."""
@@ -237,60 +362,92 @@ def _instance(i: int, kv_blocks: int) -> InstanceRecord:
     return InstanceRecord(instance_id=f"w{i}", endpoint="sim", address=f"w{i}", card=card)
 
 
-def _summary(ttft: list[float], hits: list[int], makespan: float) -> dict:
-    """TTFT percentiles in ms (`ttft` sorted, in seconds), hit rate and makespan."""
+def _summary(
+    ttft: list[float],
+    itl: list[float],
+    hits: list[int],
+    makespan: float,
+    requests_per_s: float,
+    output_tokens_per_s: float,
+) -> dict:
+    """TTFT percentiles and ITL p50 in ms (from sorted seconds), hit rate and throughput."""
 
-    def pct(q: float) -> float:
-        return ttft[min(len(ttft) - 1, int(q * len(ttft)))] * 1e3
+    def pct(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else 0.0
 
     return {
-        "ttft_p50_ms": pct(0.5),
-        "ttft_p90_ms": pct(0.9),
-        "ttft_p99_ms": pct(0.99),
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p90_ms": pct(ttft, 0.9),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": pct(itl, 0.5),
         "kv_hit_rate": hits[0] / max(1, hits[1]),
         "makespan_s": makespan,
+        "requests_per_s": requests_per_s,
+        "output_tokens_per_s": output_tokens_per_s,
         "requests": len(ttft),
     }
 
 
 def simulate(
     mode: str,
-    arrivals: list[float],
-    requests: list[Request],
+    workload: Workload,
     model: Path,
     workers: int,
     kv_blocks: int,
     kv_config: KvRouterConfig,
     effects: LiveEffects | None = None,
+    jitter: float = 0.0,
+    seed: int = 0,
 ) -> dict:
-    """Route and run every request; TTFT percentiles, hit rate and makespan in virtual time."""
+    """Route and run every request of `workload` in virtual time; its figures (_summary).
+
+    With `jitter` > 0 (seconds) each send is delayed by a uniform draw in [0, jitter),
+    seeded by `seed`: an open loop's arrivals are moved (and may change order), a closed
+    loop's requests go out that much after the previous one finished.
+    """
     engines = [
         MockEngine(EngineConfig(model=str(model), num_gpu_blocks=kv_blocks, seed=i), speedup=1e12)
         for i in range(workers)
     ]
-    sim = _Simulation(mode, requests, engines, kv_config, effects or LiveEffects())
-    return sim.run(arrivals)
+    if workload.arrivals is not None and jitter > 0:
+        arrivals, sessions = jittered(workload.arrivals, workload.sessions, jitter, seed)
+        workload = Workload(workload.name, sessions, arrivals)
+    sim = _Simulation(mode, workload, engines, kv_config, effects or LiveEffects(), jitter, seed)
+    return sim.run()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--trace", type=Path, default=MOONCAKE)
-    p.add_argument("--num-requests", type=int, default=1500)
-    p.add_argument("--input-scale", type=float, default=0.125)
-    p.add_argument("--output-scale", type=float, default=0.25)
-    p.add_argument("--speeds", default="1,10,17,23,26,28,30,32,35", help="replay speed-ups")
+    p.add_argument("--workload", choices=WORKLOADS, default="mooncake")
+    p.add_argument("--trace", type=Path, default=MOONCAKE, help="mooncake: the trace")
+    p.add_argument("--num-requests", type=int, default=1500, help="mooncake: rows replayed")
+    p.add_argument("--input-scale", type=float, default=0.125, help="mooncake: length scale")
+    p.add_argument("--output-scale", type=float, default=0.25, help="mooncake: output scale")
+    p.add_argument(
+        "--speeds",
+        help="offered loads: mooncake replay speed-ups (default "
+        f"{WORKLOADS['mooncake'][1]}); shared-prefix and multi-turn: multiples of the live "
+        "benchmark's rate or sessions in flight (default 1)",
+    )
     p.add_argument("--modes", default="round-robin,least-loaded,kv")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--kv-blocks", type=int, default=27806, help="per worker, 16-token blocks")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="per worker, 16-token blocks (default: router_bench.py's for the workload)",
+    )
     p.add_argument("--kv-overlap-credit", type=float, default=KvRouterConfig.overlap_credit)
+    p.add_argument("--kv-queue-weight", type=float, default=KvRouterConfig.queue_weight)
     p.add_argument("--kv-prefill-load-scale", type=float, default=KvRouterConfig.prefill_load_scale)
+    p.add_argument("--router-temperature", type=float, default=KvRouterConfig.temperature)
     p.add_argument(
         "--arrival-jitter-ms",
         type=float,
         default=0.0,
         metavar="MS",
         help="delay each arrival by a uniform draw in [0, MS) model ms, so requests that the "
-        "trace gives (nearly) the same time arrive in another order, as they may live",
+        "trace gives (nearly) the same time arrive in another order, as they may live; in "
+        "multi-turn, each request goes out that long after the previous one finished",
     )
     p.add_argument(
         "--repeats",
@@ -301,10 +458,15 @@ def main() -> int:
     add_effect_args(p)
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     args = p.parse_args()
+    kv_blocks, default_speeds = WORKLOADS[args.workload]
+    kv_blocks = args.kv_blocks or kv_blocks
     try:
-        speeds = [float(s) for s in args.speeds.split(",")]
+        speeds = [float(s) for s in (args.speeds or default_speeds).split(",")]
         kv_config = KvRouterConfig(
-            overlap_credit=args.kv_overlap_credit, prefill_load_scale=args.kv_prefill_load_scale
+            overlap_credit=args.kv_overlap_credit,
+            queue_weight=args.kv_queue_weight,
+            prefill_load_scale=args.kv_prefill_load_scale,
+            temperature=args.router_temperature,
         )
         effects = effects_from_args(args)
         if args.arrival_jitter_ms < 0 or args.repeats < 1:
@@ -313,42 +475,57 @@ def main() -> int:
         p.error(str(e))
     model = tiny_model_dir(Path(tempfile.mkdtemp(prefix="router-sim-model-")))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    entries = load_trace(args.trace, limit=args.num_requests)
-    synthesis = TraceSynthesis(input_scale=args.input_scale, output_scale=args.output_scale)
-    requests = synthesize(entries, synthesis, vocab)
     stamp = {
         "date": datetime.date.today().isoformat(),
         "commit": os.environ.get("SHOAL_COMMIT") or git_commit(),
-        "trace": args.trace.name,
-        "num_requests": len(entries),
-        "input_scale": args.input_scale,
-        "output_scale": args.output_scale,
+        "workload": args.workload,
+    }
+    if args.workload == "mooncake":
+        entries = load_trace(args.trace, limit=args.num_requests)
+        synthesis = TraceSynthesis(input_scale=args.input_scale, output_scale=args.output_scale)
+        requests = synthesize(entries, synthesis, vocab)
+        stamp |= {
+            "trace": args.trace.name,
+            "num_requests": len(entries),
+            "input_scale": args.input_scale,
+            "output_scale": args.output_scale,
+        }
+    stamp |= {
         "workers": args.workers,
-        "kv_blocks_per_worker": args.kv_blocks,
+        "kv_blocks_per_worker": kv_blocks,
         "kv_overlap_credit": kv_config.overlap_credit,
+        "kv_queue_weight": kv_config.queue_weight,
         "kv_prefill_load_scale": kv_config.prefill_load_scale,
+        "router_temperature": kv_config.temperature,
         **({"live_effects": asdict(effects)} if effects != LiveEffects() else {}),
         "arrival_jitter_ms": args.arrival_jitter_ms,
         "repeats": args.repeats,
     }
     rows = []
     print(
-        f"{'speed':>6} {'mode':13} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'hit':>6} {'makespan':>9}"
+        f"{'speed':>6} {'mode':13} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8}"
+        f" {'hit':>6} {'req/s':>7} {'makespan':>9}"
         + ("  p50 over repeats" if args.repeats > 1 else "")
     )
     for speed in speeds:
-        origin = entries[0].timestamp_ms
-        arrivals = [(e.timestamp_ms - origin) / 1000 / speed for e in entries]
+        if args.workload == "mooncake":
+            workload = mooncake(entries, requests, speed)
+        elif args.workload == "shared-prefix":
+            workload = shared_prefix(vocab, speed)
+        else:
+            workload = multi_turn(vocab, speed)
         for mode in args.modes.split(","):
             runs = [
                 simulate(
                     mode,
-                    *jittered(arrivals, requests, args.arrival_jitter_ms / 1e3, seed),
+                    workload,
                     model,
                     args.workers,
-                    args.kv_blocks,
+                    kv_blocks,
                     kv_config,
                     effects,
+                    args.arrival_jitter_ms / 1e3,
+                    seed,
                 )
                 for seed in range(args.repeats)
             ]
@@ -357,7 +534,8 @@ def main() -> int:
             spread = f"  {r['ttft_p50_ms_min']:.1f}..{r['ttft_p50_ms_max']:.1f}"
             print(
                 f"{speed:6g} {mode:13} {r['ttft_p50_ms']:9.1f} {r['ttft_p90_ms']:8.1f}"
-                f" {r['ttft_p99_ms']:8.1f} {r['kv_hit_rate']:6.1%} {r['makespan_s']:8.1f}s"
+                f" {r['ttft_p99_ms']:8.1f} {r['itl_p50_ms']:8.1f} {r['kv_hit_rate']:6.1%}"
+                f" {r['requests_per_s']:7.2f} {r['makespan_s']:8.1f}s"
                 + (spread if args.repeats > 1 else ""),
                 flush=True,
             )
@@ -365,21 +543,28 @@ def main() -> int:
         with (RESULTS / "router_sim.jsonl").open("a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        plot(rows, RESULTS / "router_sim.png")
-        print(f"recorded in {RESULTS / 'router_sim.jsonl'} and {RESULTS / 'router_sim.png'}")
+        print(f"recorded in {RESULTS / 'router_sim.jsonl'}")
+        if len(speeds) > 1:  # a plot of one load would replace the sweep's with a dot
+            png = RESULTS / (
+                "router_sim.png"
+                if args.workload == "mooncake"
+                else f"router_sim-{args.workload}.png"
+            )
+            plot(rows, png)
+            print(f"drawn in {png}")
     return 0
 
 
 def jittered(
-    arrivals: list[float], requests: list[Request], jitter: float, seed: int
-) -> tuple[list[float], list[Request]]:
+    arrivals: list[float], items: list, jitter: float, seed: int
+) -> tuple[list[float], list]:
     """The arrivals each delayed by a uniform draw in [0, jitter) seconds (seeded), in time
-    order, and the requests in the same order."""
+    order, and the items (requests, sessions) in the same order."""
     if jitter == 0:
-        return arrivals, requests
+        return arrivals, items
     rng = random.Random(seed)
     moved = sorted((t + rng.uniform(0, jitter), i) for i, t in enumerate(arrivals))
-    return [t for t, _ in moved], [requests[i] for _, i in moved]
+    return [t for t, _ in moved], [items[i] for _, i in moved]
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -424,7 +609,7 @@ def effects_from_args(args: argparse.Namespace) -> LiveEffects:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """TTFT p50 and p99 against replay speed, one line per mode."""
+    """TTFT p50 and p99 against the offered load, one line per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -437,11 +622,11 @@ def plot(rows: list[dict], path: Path) -> None:
         for mode in dict.fromkeys(r["mode"] for r in rows):
             points = [(r["speed"], r[key]) for r in rows if r["mode"] == mode]
             ax.plot(*zip(*points, strict=True), marker="o", label=mode)
-        ax.set_xlabel("trace replay speed-up")
+        ax.set_xlabel("replay speed-up" if rows[0]["workload"] == "mooncake" else "load")
         ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"simulated routing, {rows[0]['workers']} mocker workers, Mooncake trace")
+    fig.suptitle(f"simulated routing, {rows[0]['workers']} mocker workers, {rows[0]['workload']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -27,10 +27,20 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-overlap-credit",
         type=float,
-        default=_env_float("SHOAL_KV_OVERLAP_CREDIT", 1.0),
-        help="kv mode: how much a block already cached on a worker is worth against one it "
-        "would have to prefill; higher chases cache hits, lower spreads load (default 1.0) "
-        "[env SHOAL_KV_OVERLAP_CREDIT]",
+        default=_env_float("SHOAL_KV_OVERLAP_CREDIT", 2.0),
+        help="kv mode: what a block a worker must prefill costs, in blocks of its prefill "
+        "queue (so what a block it already caches saves): 1 counts this request's wait, more "
+        "also the wait the work adds for later requests; higher chases cache hits to longer "
+        "queues, lower spreads load (default 2.0) [env SHOAL_KV_OVERLAP_CREDIT]",
+    )
+    g.add_argument(
+        "--kv-queue-weight",
+        type=float,
+        default=_env_float("SHOAL_KV_QUEUE_WEIGHT", 2.0),
+        help="kv mode: how much each request queued on a worker (sent, no first token yet) "
+        "adds to the cost of a block to prefill there; higher keeps long prompts away from "
+        "workers where many requests wait, lowering the median TTFT and raising the longest "
+        "prompts' (default 2.0) [env SHOAL_KV_QUEUE_WEIGHT]",
     )
     g.add_argument(
         "--kv-prefill-load-scale",
@@ -88,6 +98,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 _FLAGS = {  # KvRouterConfig field -> its flag, for error messages
     "overlap_credit": "--kv-overlap-credit",
+    "queue_weight": "--kv-queue-weight",
     "prefill_load_scale": "--kv-prefill-load-scale",
     "temperature": "--router-temperature",
     "busy_threshold": "--busy-threshold",
@@ -101,6 +112,7 @@ def router_options(args: argparse.Namespace) -> dict:
     try:
         config = KvRouterConfig(
             overlap_credit=args.kv_overlap_credit,
+            queue_weight=args.kv_queue_weight,
             prefill_load_scale=args.kv_prefill_load_scale,
             temperature=args.router_temperature,
             busy_threshold=args.busy_threshold,

@@ -1,10 +1,11 @@
 """The router's running prediction of each worker's load, corrected by the workers' reports.
 
 Between two reports the router knows what it sent where: it adds each request's blocks and
-uncached prompt tokens when it routes it, drops the prompt tokens at its first token (the
-prefill is over) and the blocks when it finishes. Reports arrive only now and then, but
-they also count what the prediction cannot see (other routers' requests, blocks held by
-generated tokens); see LoadTracker.report for how the two are combined.
+uncached prompt tokens when it routes it, and counts it as queued; at its first token (the
+prefill is over) it drops the prompt tokens and the count, and the blocks when it
+finishes. Reports arrive only now and then, but they also count what the prediction cannot
+see (other routers' requests, blocks held by generated tokens); see LoadTracker.report for
+how the two are combined.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from shoal.protocol import LoadReport
 class _WorkerLoad:
     blocks: int = 0  # predicted active KV blocks of this router's requests
     prefill_tokens: int = 0  # uncached prompt tokens of this router's requests not yet prefilled
+    queued: int = 0  # this router's requests without their first token yet
     foreign: int = 0  # reported active blocks the prediction did not account for
     waiting: int = 0  # requests queued on the worker, as last reported
     total_blocks: int | None = None  # the worker's KV cache size, once reported
@@ -28,6 +30,7 @@ class _Request:
     load: _WorkerLoad
     blocks: int
     prefill_tokens: int
+    queued: bool = True  # no first token yet
 
 
 _UNKNOWN = _WorkerLoad()  # what a worker never routed to nor heard from looks like; never mutated
@@ -61,14 +64,17 @@ class LoadTracker:
         load = self._workers.setdefault(worker_id, _WorkerLoad())
         load.blocks += blocks
         load.prefill_tokens += prefill_tokens
+        load.queued += 1
         self._requests[request_id] = _Request(load, blocks, prefill_tokens)
 
     def first_token(self, request_id: str) -> None:
         """The request's prefill is done: release its prompt tokens (again: no-op)."""
         request = self._requests.get(request_id)
-        if request is not None:
+        if request is not None and request.queued:
             request.load.prefill_tokens -= request.prefill_tokens
+            request.load.queued -= 1
             request.prefill_tokens = 0
+            request.queued = False
 
     def finish(self, request_id: str) -> None:
         """The request is over: release all it held (again, or an unknown id: no-op)."""
@@ -76,6 +82,7 @@ class LoadTracker:
         if request is not None:
             request.load.blocks -= request.blocks
             request.load.prefill_tokens -= request.prefill_tokens
+            request.load.queued -= int(request.queued)
 
     def set_capacity(self, worker_id: str, total_blocks: int) -> None:
         """The worker's KV cache size, known before its first report (its model card)."""
@@ -105,6 +112,10 @@ class LoadTracker:
     def prefill_blocks(self, worker_id: str) -> float:
         """Prompt work queued on the worker by this router, in blocks."""
         return self._workers.get(worker_id, _UNKNOWN).prefill_tokens / self._block_size
+
+    def queued(self, worker_id: str) -> int:
+        """Requests this router sent to the worker that have not had their first token."""
+        return self._workers.get(worker_id, _UNKNOWN).queued
 
     def decode_blocks(self, worker_id: str) -> int:
         """Active KV blocks on the worker: predicted for this router's requests plus foreign."""

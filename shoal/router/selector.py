@@ -3,21 +3,34 @@
 Sending a request of `prompt_blocks` blocks to worker w, whose prefix cache already holds
 `cached` of its leading blocks, costs (in blocks)
 
-    prefill_load_scale * max(prefill_blocks(w) + prompt_blocks - overlap_credit * cached, 0)
-    + decode_blocks(w) + (prompt_blocks - cached)
+    prefill_load_scale * (prefill_blocks(w) + price(w) * new) + decode_blocks(w) + new
 
-The first term is the prompt work w must get through before this request's first token
-(the prefills queued there plus this prompt, less what its cache saves); the second is the
-KV memory w would hold with this request added (its cached blocks are there already, and
-requests sharing them share the memory). The weights (KvRouterConfig) trade:
+    new = prompt_blocks - cached                          the blocks w would prefill
+    price(w) = overlap_credit + queue_weight * queued(w)  what each of them costs
 
-- overlap_credit: what one cached block is worth against one block still to prefill.
-  Higher favours cache hits (follow the prefix even to a busier worker); lower favours
-  balance; 0 counts cached blocks only as memory already held. The default, 1, makes the
-  first term exactly the prompt tokens the worker must still compute before this request's
-  first token. In benchmarks/router_sim.py (the real router and mocker engines in virtual
-  time) it beat 0.5 on the Mooncake replay at 17x and 30x (TTFT p50 207 against 232 ms at
-  30x, hit rate 21% against 18%) and on the shared-prefix workload (p90 23 against 62 ms).
+prefill_blocks(w) is the prompt work this router has sent w that is not prefilled yet
+(the uncached tokens of its requests without a first token, in blocks) and queued(w) the
+number of those requests (shoal.router.load; every term is O(1) per worker). The first
+term is prefill work: what w must get through before this request's first token, and what
+this prompt's own prefill costs there. The second is the KV memory w would hold with the
+request added (its cached blocks are there already, and requests sharing them share the
+memory). The weights (KvRouterConfig) trade:
+
+- overlap_credit: what one block to prefill costs, in blocks of queue, before the queue
+  term below; a cached block saves as much. 1 prices this request's own wait only (the
+  queue ahead plus its prefill: its time to first token, the engines serving prompts first
+  come first served). Above 1 it also prices the wait the block adds for the requests sent
+  to w after it: a cache miss costs them that work whatever it costs this request. Higher
+  follows cached prefixes to longer queues (more hits, less work in all); lower spreads
+  load; 0 ignores the cache and this prompt's size in the prefill term.
+- queue_weight: each request queued on w (sent, no first token yet) adds this to the
+  price of a block there. A long prompt then goes where few requests wait, often behind
+  another long one, rather than where many short ones do, and short prompts find workers
+  with no long prompt ahead of them: with prompt lengths as spread as real traffic's the
+  median TTFT falls and the longest prompts' rises. It also breaks up bursts: requests
+  that reach the worker caching their prefixes together (the multi-turn benchmark's
+  conversations, which finish together) spill to idle workers instead of waiting for one
+  long shared prefill step.
 - prefill_load_scale: prefill work against decode memory load. Higher protects time to
   first token (shun workers with long prefill queues); lower protects inter-token latency
   and KV memory (shun workers holding many blocks). The default, 4, reflects time: on
@@ -29,6 +42,24 @@ requests sharing them share the memory). The weights (KvRouterConfig) trade:
   instead of piling every request onto the one that is cheapest by a hair.
 - busy_threshold, max_waiting: a worker whose KV usage or queue is above them is busy;
   free_workers leaves busy workers out (what to do when none is free is the caller's call).
+
+Measured with benchmarks/router_sim.py (the real router and mocker engines in virtual
+time; medians of 10 draws with 2 ms of arrival jitter, TTFT p50 in model ms; docs/routing.md
+has the full tables). On the Mooncake replay at 30x, where round-robin's p50 is 479 ms:
+
+- credit 1, queue weight 0 (the defaults until 2026-11-22): 211 ms, 20.2% of prompt
+  tokens cached; credit 2, weight 0: 191 ms, 22.4%;
+- credit 1, weight 2: 145 ms; credit 2, weight 2 (the defaults): 144 ms (133..152 over
+  the draws), 23.5% cached, p90 329 against 396 ms, p99 724 against 608 ms (the longest
+  prompts wait longer), throughput 71.6 against 71.0 req/s;
+- credit 2 with weight 1: 146 ms, p99 672; with weight 4: 141 ms, p99 751;
+- credit 4 (weight 2): 138 ms, but 3% less throughput on the multi-turn benchmark;
+  credit 8 locks that benchmark's conversations onto their workers in step (TTFT p50 52
+  ms with weight 2, 115 with weight 1, against 27);
+- prefill_load_scale 16 (credit 4, weight 1, 6 draws): 133 against 143 ms, but 5% less
+  multi-turn throughput; temperature 0.1 (6 draws): 164 ms (0.02: within the spread);
+- the multi-turn benchmark's p50 goes from 40 to 27 ms at the same throughput (54.3 req/s);
+  shared-prefix is unchanged (16 ms, 87% cached).
 """
 
 from __future__ import annotations
@@ -43,7 +74,8 @@ from shoal.router.load import LoadTracker
 
 @dataclass
 class KvRouterConfig:
-    overlap_credit: float = 1.0  # see the module docstring
+    overlap_credit: float = 2.0  # see the module docstring
+    queue_weight: float = 2.0  # see the module docstring
     prefill_load_scale: float = 4.0  # see the module docstring
     temperature: float = 0.0
     busy_threshold: float | None = None  # fraction of a worker's KV blocks active
@@ -54,6 +86,7 @@ class KvRouterConfig:
         """Raise ValueError naming the first field whose value is out of range."""
         checks = [
             (_non_negative(self.overlap_credit), "overlap_credit", "must be finite and >= 0"),
+            (_non_negative(self.queue_weight), "queue_weight", "must be finite and >= 0"),
             (
                 _non_negative(self.prefill_load_scale),
                 "prefill_load_scale",
@@ -85,9 +118,10 @@ def cost(
     worker: str, prompt_blocks: int, cached: int, load: LoadTracker, config: KvRouterConfig
 ) -> float:
     """The module docstring's cost of sending the request to `worker`."""
-    prefill = load.prefill_blocks(worker) + prompt_blocks - config.overlap_credit * cached
-    new_blocks = prompt_blocks - cached  # the cached ones are resident there already
-    return config.prefill_load_scale * max(prefill, 0.0) + load.decode_blocks(worker) + new_blocks
+    new_blocks = prompt_blocks - cached  # to prefill; the cached ones are resident already
+    price = config.overlap_credit + config.queue_weight * load.queued(worker)
+    prefill = load.prefill_blocks(worker) + price * new_blocks
+    return config.prefill_load_scale * prefill + load.decode_blocks(worker) + new_blocks
 
 
 def select_worker(

@@ -39,9 +39,30 @@ def test_add_first_token_finish_arithmetic():
     assert load.decode_blocks("a") == 0
 
 
+def test_queued_counts_requests_until_their_first_token():
+    load = LoadTracker(block_size=16)
+    load.add("r1", "a", blocks=4, prefill_tokens=40)
+    load.add("r2", "a", blocks=2, prefill_tokens=0)  # all cached: still waits for a step
+    load.add("r3", "b", blocks=1, prefill_tokens=16)
+    assert (load.queued("a"), load.queued("b")) == (2, 1)
+    load.first_token("r1")
+    load.first_token("r1")  # again: no-op
+    assert load.queued("a") == 1
+    load.finish("r1")  # after its first token: nothing more to release
+    assert load.queued("a") == 1
+    load.finish("r2")  # finishing before the first token releases it
+    assert load.queued("a") == 0
+    load.add("r3", "a", blocks=1, prefill_tokens=16)  # moved: counted where it went
+    assert (load.queued("a"), load.queued("b")) == (1, 0)
+    load.first_token("r3")
+    load.finish("r3")
+    assert (load.queued("a"), load.queued("b")) == (0, 0)
+
+
 def test_unknown_workers_are_idle():
     load = LoadTracker(block_size=16)
     assert load.prefill_blocks("x") == 0.0
+    assert load.queued("x") == 0
     assert load.decode_blocks("x") == 0
     assert load.waiting("x") == 0
     assert load.usage("x") is None
@@ -104,7 +125,7 @@ def test_remove_worker_detaches_its_requests():
     load.add("new", "a", blocks=1, prefill_tokens=16)  # the id comes back
     load.first_token("old")
     load.finish("old")  # the old request must not drain the new worker's sums
-    assert (load.decode_blocks("a"), load.prefill_blocks("a")) == (1, 1.0)
+    assert (load.decode_blocks("a"), load.prefill_blocks("a"), load.queued("a")) == (1, 1.0, 1)
 
 
 def test_block_size_can_change_and_must_be_positive():

@@ -15,29 +15,42 @@ from shoal.router.selector import KvRouterConfig, busy, cost, free_workers, sele
 BLOCK = 16
 
 
-def loaded(decode: dict[str, int] | None = None, prefill: dict[str, int] | None = None):
-    """A tracker whose workers hold `decode` blocks and have `prefill` blocks to prefill."""
+def loaded(
+    decode: dict[str, int] | None = None,
+    prefill: dict[str, int] | None = None,
+    queued: dict[str, list[int]] | None = None,
+):
+    """A tracker whose workers hold `decode` blocks of requests past their first token, and
+    have `prefill` blocks to prefill in one queued request, or `queued` requests of the
+    listed prefill blocks each."""
     load = LoadTracker(block_size=BLOCK)
     for worker, blocks in (decode or {}).items():
         load.add(f"decode-{worker}", worker, blocks=blocks, prefill_tokens=0)
+        load.first_token(f"decode-{worker}")
     for worker, blocks in (prefill or {}).items():
         load.add(f"prefill-{worker}", worker, blocks=0, prefill_tokens=blocks * BLOCK)
+    for worker, sizes in (queued or {}).items():
+        for i, blocks in enumerate(sizes):
+            load.add(f"queued-{worker}-{i}", worker, blocks=0, prefill_tokens=blocks * BLOCK)
     return load
 
 
 def pick(load, overlaps, prompt_blocks=10, seed=0, **config) -> str:
-    """The choice between a and b; the arithmetic below is at prefill scale 1, credit 1."""
-    config = KvRouterConfig(**{"prefill_load_scale": 1.0, "overlap_credit": 1.0, **config})
+    """The choice between a and b; the arithmetic below is at prefill scale 1, credit 1 and
+    queue weight 0 unless a test says otherwise."""
+    base = {"prefill_load_scale": 1.0, "overlap_credit": 1.0, "queue_weight": 0.0}
+    config = KvRouterConfig(**{**base, **config})
     return select_worker(["a", "b"], prompt_blocks, overlaps, load, config, random.Random(seed))
 
 
 def test_cost_formula():
     load = loaded(decode={"a": 7}, prefill={"a": 3})
-    config = KvRouterConfig(overlap_credit=0.5, prefill_load_scale=2.0)
-    # 2 * max(3 + 10 - 0.5 * 8, 0) + (7 + 10 - 8)
-    assert cost("a", 10, 8, load, config) == 2 * 9 + 9
-    # a credit larger than the work left clamps the prefill term at 0
-    assert cost("a", 10, 10, load, KvRouterConfig(overlap_credit=3.0)) == 0 + 7
+    assert load.queued("a") == 1  # the prefill; the decoding request had its first token
+    config = KvRouterConfig(overlap_credit=0.5, queue_weight=2.0, prefill_load_scale=2.0)
+    # 2 * (3 + (0.5 + 2 * 1) * (10 - 8)) + (7 + 10 - 8)
+    assert cost("a", 10, 8, load, config) == 2 * 8 + 9
+    # everything cached: the queue and the memory held, whatever the price of a block
+    assert cost("a", 10, 10, load, KvRouterConfig(overlap_credit=3.0)) == 4 * 3 + 7
 
 
 def test_equal_loads_pick_the_worker_holding_the_prefix():
@@ -56,10 +69,38 @@ def test_cached_worker_loaded_beyond_the_credit_loses():
 
 def test_overlap_credit_scales_what_a_cached_block_is_worth():
     load = loaded(decode={"a": 11})
-    # credit 0.25: a: (10 - 2) + (11 + 2) = 21 > b: 20
+    # credit 0.25: a: 0.25 * 2 + (11 + 2) = 13.5 > b: 0.25 * 10 + 10 = 12.5
     assert pick(load, {"a": 8}, overlap_credit=0.25) == "b"
-    # credit 1: a: 2 + 13 = 15 < 20
+    # credit 1: a: 2 + 13 = 15 < b: 10 + 10 = 20
     assert pick(load, {"a": 8}, overlap_credit=1.0) == "a"
+
+
+def test_a_credit_above_one_follows_the_prefix_to_a_longer_queue():
+    # a holds 8 of the 10 blocks but has 20 blocks queued to prefill; b has none.
+    load = loaded(prefill={"a": 20})
+    # credit 1, this request's own wait: a: (20 + 2) + 2 = 24 > b: 10 + 10 = 20
+    assert pick(load, {"a": 8}, overlap_credit=1.0) == "b"
+    # credit 4 also prices the work a miss adds for the requests behind it:
+    # a: (20 + 4 * 2) + 2 = 30 < b: 4 * 10 + 10 = 50
+    assert pick(load, {"a": 8}, overlap_credit=4.0) == "a"
+
+
+def test_queue_weight_keeps_long_prompts_off_workers_where_many_requests_wait():
+    # a: three short requests queued (12 blocks); b: one long one (40 blocks).
+    load = loaded(queued={"a": [4, 4, 4], "b": [40]})
+    assert (load.queued("a"), load.queued("b")) == (3, 1)
+    # weight 0, the least work ahead: a long prompt goes to a (12 + 100 < 40 + 100)
+    assert pick(load, {}, prompt_blocks=100) == "a"
+    # weight 1: a: 12 + (1 + 3) * 100 + 100 = 512 > b: 40 + (1 + 1) * 100 + 100 = 340
+    assert pick(load, {}, prompt_blocks=100, queue_weight=1.0) == "b"
+    # a short prompt still goes where the least work is ahead: a: 12 + 4 * 2 + 2 = 22 <
+    # b: 40 + 2 * 2 + 2 = 46
+    assert pick(load, {}, prompt_blocks=2, queue_weight=1.0) == "a"
+    # the count drops at each request's first token: with a's requests prefilled, only
+    # the queue ahead and the memory are left (a: 0 + 100 + 100 < b: 40 + 200 + 100)
+    for i in range(3):
+        load.first_token(f"queued-a-{i}")
+    assert pick(load, {}, prompt_blocks=100, queue_weight=1.0) == "a"
 
 
 def test_prefill_load_scale_trades_prefill_queue_against_decode_memory():
@@ -73,7 +114,7 @@ def test_prefill_load_scale_trades_prefill_queue_against_decode_memory():
 def test_ties_are_broken_at_random():
     chosen = {pick(loaded(), {}, seed=seed) for seed in range(40)}
     assert chosen == {"a", "b"}
-    # with a zero credit the cache only saves memory: a: 10 + (8 + 2) = 20 = b: 10 + 10
+    # with a zero credit the cache only saves memory: a: 0 + (8 + 2) = 10 = b: 0 + 10
     load = loaded(decode={"a": 8})
     chosen = {pick(load, {"a": 8}, seed=seed, overlap_credit=0.0) for seed in range(40)}
     assert chosen == {"a", "b"}
@@ -142,6 +183,8 @@ def test_busy_and_free_workers():
     [
         ("overlap_credit", -1.0),
         ("overlap_credit", math.inf),
+        ("queue_weight", -1.0),
+        ("queue_weight", math.nan),
         ("prefill_load_scale", -0.5),
         ("prefill_load_scale", math.nan),
         ("temperature", -0.1),
@@ -160,6 +203,7 @@ def test_config_rejects_out_of_range_values(field, value):
 def test_config_accepts_edge_values():
     KvRouterConfig(
         overlap_credit=0.0,
+        queue_weight=0.0,
         prefill_load_scale=0.0,
         temperature=0.0,
         busy_threshold=1.0,

@@ -1,0 +1,53 @@
+"""The router flags: defaults, SHOAL_* twins and errors naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shoal.router.cli import add_router_args, router_options
+from shoal.router.selector import KvRouterConfig
+
+
+def parse(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    return router_options(parser.parse_args(argv))
+
+
+ENV = (
+    "SHOAL_KV_OVERLAP_CREDIT",
+    "SHOAL_KV_QUEUE_WEIGHT",
+    "SHOAL_KV_PREFILL_LOAD_SCALE",
+    "SHOAL_ROUTER_TEMPERATURE",
+    "SHOAL_BUSY_THRESHOLD",
+    "SHOAL_BUSY_MAX_WAITING",
+    "SHOAL_KV_APPROX_TTL",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_flag_defaults_are_the_configs():
+    assert parse([])["kv_config"] == KvRouterConfig()
+
+
+def test_queue_weight_flag_and_env(monkeypatch):
+    assert parse(["--kv-queue-weight", "0.5"])["kv_config"].queue_weight == 0.5
+    monkeypatch.setenv("SHOAL_KV_QUEUE_WEIGHT", "3")
+    monkeypatch.setenv("SHOAL_KV_OVERLAP_CREDIT", "1")
+    config = parse([])["kv_config"]
+    assert (config.queue_weight, config.overlap_credit) == (3.0, 1.0)
+    assert parse(["--kv-queue-weight", "0"])["kv_config"].queue_weight == 0.0  # flag wins
+
+
+def test_out_of_range_values_name_their_flag():
+    with pytest.raises(SystemExit, match="--kv-queue-weight: queue_weight must be"):
+        parse(["--kv-queue-weight", "-1"])
+    with pytest.raises(SystemExit, match="--kv-overlap-credit: overlap_credit must be"):
+        parse(["--kv-overlap-credit", "nan"])
