@@ -14,6 +14,15 @@ def _env_float(name: str, default: float | None) -> float | None:
     return default if value is None or value == "" else float(value)
 
 
+def _float_flag(
+    group: argparse._ArgumentGroup, flag: str, env: str, default: float | None, text: str
+) -> None:
+    """A float flag whose default comes from `env` when set; the help names the env twin."""
+    group.add_argument(
+        flag, type=float, default=_env_float(env, default), help=f"{text} [env {env}]"
+    )
+
+
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("routing")
     g.add_argument(
@@ -24,39 +33,42 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "(fewest open streams), or kv (prefix-cache aware, load aware) (default round-robin) "
         "[env SHOAL_ROUTER_MODE]",
     )
-    g.add_argument(
+    _float_flag(
+        g,
         "--kv-overlap-credit",
-        type=float,
-        default=_env_float("SHOAL_KV_OVERLAP_CREDIT", 2.0),
-        help="kv mode: what a block a worker must prefill costs, in blocks of its prefill "
-        "queue (so what a block it already caches saves): 1 counts this request's wait, more "
-        "also the wait the work adds for later requests; higher chases cache hits to longer "
-        "queues, lower spreads load (default 2.0) [env SHOAL_KV_OVERLAP_CREDIT]",
+        "SHOAL_KV_OVERLAP_CREDIT",
+        2.0,
+        "kv mode: what a block a worker must prefill costs, in blocks of its prefill "
+        "queue (so what a block it already caches saves): 1 counts this request's wait, "
+        "more also the wait the work adds for later requests; higher chases cache hits "
+        "to longer queues, lower spreads load (default 2.0)",
     )
-    g.add_argument(
+    _float_flag(
+        g,
         "--kv-queue-weight",
-        type=float,
-        default=_env_float("SHOAL_KV_QUEUE_WEIGHT", 2.0),
-        help="kv mode: how much each request queued on a worker (sent, no first token yet) "
-        "adds to the cost of a block to prefill there; higher keeps long prompts away from "
-        "workers where many requests wait, lowering the median TTFT and raising the longest "
-        "prompts' (default 2.0) [env SHOAL_KV_QUEUE_WEIGHT]",
+        "SHOAL_KV_QUEUE_WEIGHT",
+        2.0,
+        "kv mode: how much each request queued on a worker (sent, no first token yet) "
+        "adds to the cost of a block to prefill there; higher keeps long prompts away "
+        "from workers where many requests wait, lowering the median TTFT and raising "
+        "the longest prompts' (default 2.0)",
     )
-    g.add_argument(
+    _float_flag(
+        g,
         "--kv-prefill-load-scale",
-        type=float,
-        default=_env_float("SHOAL_KV_PREFILL_LOAD_SCALE", 4.0),
-        help="kv mode: weight of prefill work (new tokens to compute) against KV memory held "
-        "by running requests; higher protects TTFT, lower protects ITL and memory (default 4.0) "
-        "[env SHOAL_KV_PREFILL_LOAD_SCALE]",
+        "SHOAL_KV_PREFILL_LOAD_SCALE",
+        4.0,
+        "kv mode: weight of prefill work (new tokens to compute) against KV memory held "
+        "by running requests; higher protects TTFT, lower protects ITL and memory "
+        "(default 4.0)",
     )
-    g.add_argument(
+    _float_flag(
+        g,
         "--router-temperature",
-        type=float,
-        default=_env_float("SHOAL_ROUTER_TEMPERATURE", 0.0),
-        help="kv mode: 0 picks the cheapest worker; above 0 samples workers by a softmax of "
-        "their normalized costs, spreading load among near-equals (default 0) "
-        "[env SHOAL_ROUTER_TEMPERATURE]",
+        "SHOAL_ROUTER_TEMPERATURE",
+        0.0,
+        "kv mode: 0 picks the cheapest worker; above 0 samples workers by a softmax of "
+        "their normalized costs, spreading load among near-equals (default 0)",
     )
     g.add_argument(
         "--no-kv-events",
@@ -66,19 +78,20 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "each prefix instead, for --kv-approx-ttl seconds (for engines that publish no "
         "events) [env SHOAL_NO_KV_EVENTS=1]",
     )
-    g.add_argument(
+    _float_flag(
+        g,
         "--kv-approx-ttl",
-        type=float,
-        default=_env_float("SHOAL_KV_APPROX_TTL", 120.0),
-        help="kv mode with --no-kv-events: seconds a routed prefix is assumed cached "
-        "(default 120) [env SHOAL_KV_APPROX_TTL]",
+        "SHOAL_KV_APPROX_TTL",
+        120.0,
+        "kv mode with --no-kv-events: seconds a routed prefix is assumed cached (default 120)",
     )
-    g.add_argument(
+    _float_flag(
+        g,
         "--busy-threshold",
-        type=float,
-        default=_env_float("SHOAL_BUSY_THRESHOLD", None),
-        help="kv mode: skip a worker whose KV blocks in use exceed this fraction, e.g. 0.95 "
-        "(default: off) [env SHOAL_BUSY_THRESHOLD]",
+        "SHOAL_BUSY_THRESHOLD",
+        None,
+        "kv mode: skip a worker whose KV blocks in use exceed this fraction, e.g. 0.95 "
+        "(default: off)",
     )
     g.add_argument(
         "--busy-max-waiting",
@@ -87,12 +100,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="kv mode: skip a worker with more than this many requests waiting "
         "(default: off) [env SHOAL_BUSY_MAX_WAITING]",
     )
-    g.add_argument(
+    _float_flag(
+        g,
         "--busy-wait",
-        type=float,
-        default=_env_float("SHOAL_BUSY_WAIT", 5.0),
-        help="seconds a request waits for a worker to stop being busy before it gets 503 "
-        "(default 5) [env SHOAL_BUSY_WAIT]",
+        "SHOAL_BUSY_WAIT",
+        5.0,
+        "seconds a request waits for a worker to stop being busy before it gets 503 (default 5)",
     )
 
 
