@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.llm_engine import LLMEngine
+from shoal.engine.llm_engine import LLMEngine, engine_device
 from shoal.engine.outputs import CompletionOutput, RequestOutput
 from shoal.protocol import EngineOutput, EngineRequest, SamplingParams
 from shoal.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -29,7 +29,7 @@ def offline_token_budget(gpu_memory_bytes: int | None) -> int:
 
 def _gpu_memory_bytes(device: str | None) -> int | None:
     """Total memory of the GPU the engine will run on, None when it runs on the CPU."""
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = engine_device(device)
     if target.type != "cuda":
         return None
     return torch.cuda.get_device_properties(target).total_memory

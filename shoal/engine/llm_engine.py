@@ -31,10 +31,14 @@ class _Step:
     needs_history: bool = False  # a sequence it samples uses penalties
 
 
+def engine_device(device: str | None) -> torch.device:
+    """The device an engine runs on: the one given, else CUDA when present, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self._init_config(config, torch.device(device))
+        self._init_config(config, engine_device(config.device))
         t0 = time.perf_counter()
         model = load_model(self.model_dir, self.model_config, self.device, config.load_format)
         load_time = time.perf_counter() - t0
