@@ -40,6 +40,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "aiperf_crosscheck.jsonl"
 TOOLS = ("shoal bench", "aiperf")
@@ -202,7 +205,8 @@ def command_output(cmd: list[str]) -> str:
     return lines[-1] if lines else "unknown"
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--tokenizer", type=Path, required=True, help="served model's tokenizer dir")
@@ -225,7 +229,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--note", default="", help="server and device, for the record")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "aiperf-crosscheck")
     p.add_argument("--results", type=Path, default=RESULTS, help="JSONL file to append to")
-    return p.parse_args()
+    return p
 
 
 def run_repeats(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -273,7 +277,8 @@ def failures(
 
 
 def main() -> int:
-    args = parse_args()
+    args = build_parser().parse_args()
+    stamp = provenance()
     args.model = args.model or served_model(args.url)
     runs = run_repeats(args)
     median = {
@@ -294,8 +299,7 @@ def main() -> int:
         load = f"concurrency {args.concurrency}"
     record = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("SHOAL_COMMIT")
-        or command_output(["git", "rev-parse", "--short", "HEAD"]),
+        **stamp,
         "machine": machine(),
         "note": args.note,
         "aiperf_version": command_output([str(args.aiperf), "--version"]),

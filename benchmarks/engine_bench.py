@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -22,6 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
@@ -150,22 +153,14 @@ def prefill(
     return statistics.median(rates)
 
 
-def commit() -> str:
-    if os.environ.get("SHOAL_COMMIT"):
-        return os.environ["SHOAL_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def device_name(engine: LLMEngine) -> str:
     if engine.device.type == "cuda":
         return torch.cuda.get_device_name(engine.device)
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -198,7 +193,12 @@ def main() -> None:
         help="token budget per step; 16384 is what vLLM's offline LLM class uses on GPUs of "
         "70 GiB or more, as in PERFORMANCE.md's baseline (the server default is 8192)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    stamp = provenance()
 
     t0 = time.perf_counter()
     engine = make_engine(args.shape, args)
@@ -225,7 +225,7 @@ def main() -> None:
 
     record = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": commit(),
+        **stamp,
         "device": device_name(engine),
         "shape": args.shape,
         "dtype": args.dtype,

@@ -3,18 +3,24 @@
 For every workload (shared prefix, multi-turn, the Mooncake conversation trace scaled to
 fit) and every router mode, it starts `shoal serve --engine mocker --workers N
 --router-mode MODE`, drives it with `shoal bench run`, stops it, and collects TTFT, ITL,
-throughput and the prefix-cache hit rate the workers report (usage.cached_tokens). It
+throughput and the prefix-cache hit rate the workers report (usage.cached_tokens). With
+--repeats N it runs each mode N times and reports the median and the min..max spread. It
 prints a table with each mode's ratio to round-robin, appends one record per run to
-benchmarks/results/router.jsonl (date, commit, machine, workload, mode, figures) and draws
-benchmarks/results/router.png.
+benchmarks/results/router.jsonl (date, commit and dirty flag, machine, workload, trace
+rows, mode, repeat, figures) and draws benchmarks/results/router.png from the medians.
+
+The KV router's defaults (overlap credit, queue weight) were tuned with router_sim.py on
+the Mooncake trace's rows 0:1500 at 30x: report on other rows (--rows) and loads
+(--load-scale) to measure it on data it was not fitted to.
 
 The mocker runs the real scheduler and KV block pool with a timing model of Llama-3.1-8B
 on one H100, so the figures are what routing does to an 8B deployment's latency, not what
 this CPU can compute. Only config.json and the tokenizer of --model are read; without
 --model the script builds the test suite's tiny tokenizer into a temporary model folder.
 
-    python benchmarks/router_bench.py                      # everything, ~10 minutes
-    python benchmarks/router_bench.py --workloads shared-prefix --modes round-robin,kv
+    .venv/bin/python benchmarks/router_bench.py            # everything, ~10 minutes
+    .venv/bin/python benchmarks/router_bench.py --workloads shared-prefix --modes round-robin,kv
+    .venv/bin/python benchmarks/router_bench.py --workloads mooncake --rows 1500:3000 --repeats 3
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -53,6 +63,7 @@ class Workload:
     # does not become the bottleneck; wall-clock latencies are then 1/mocker_speedup times
     # the modelled ones, and ratios between modes are unchanged.
     mocker_speedup: float = 1.0
+    trace: bool = False  # replays --trace's --rows (the script adds --trace, --num-requests)
 
     def args(self, load_scale: float, speedup: float = 1.0) -> list[str]:
         """`shoal bench run` arguments; `speedup` scales a rate (not a concurrency) with the
@@ -83,24 +94,24 @@ WORKLOADS = {
         kv_blocks=2048,
         about="128 sessions x 5 turns of +512 tokens, 64 out, 32 sessions in flight",
     ),
-    # The first 1,500 requests of Mooncake's conversation trace with lengths / 8 (a 512-token
-    # hash block becomes 64 tokens), on workers with an 8B H100's KV cache (444,896 tokens):
-    # the cache holds 8x more of the trace than at full length, which leaves the trace's
-    # reuse (26.5% of its blocks repeat an earlier prefix) within reach of a cache. Replayed
-    # 30x faster than recorded in model time (89 req/s, ~155k prompt tok/s on 4 workers),
-    # in quarter-speed slow motion (at half speed the host's CPU still added ~20% to kv's
-    # TTFT). benchmarks/router_sim.py sweeps this load: below ~25x no
+    # 1,500 requests of Mooncake's conversation trace (--rows, default 0:1500) with lengths
+    # / 8 (a 512-token hash block becomes 64 tokens), on workers with an 8B H100's KV cache
+    # (444,896 tokens): the cache holds 8x more of the trace than at full length, which
+    # leaves the trace's reuse (26.5% of its blocks repeat an earlier prefix) within reach
+    # of a cache. Replayed 30x faster than recorded in model time (89 req/s, ~155k prompt
+    # tok/s on 4 workers), in quarter-speed slow motion (at half speed the host's CPU still
+    # added ~20% to kv's TTFT). benchmarks/router_sim.py sweeps this load: below ~25x no
     # router can cut TTFT much (the floor is the prefill steps themselves, ~55 ms p50),
     # from ~28x round-robin's queues grow while kv's stay short.
     "mooncake": Workload(
-        f"--workload trace --trace {MOONCAKE} --input-scale 0.125 --output-scale 0.25 "
-        "--num-requests 1500 --replay",
+        "--workload trace --input-scale 0.125 --output-scale 0.25 --replay",
         load_flag="--speedup",
         load=7.5,
         kv_blocks=27806,
-        about="Mooncake conversation trace, first 1500 rows, lengths/8 (out/4), 30x speed "
-        "in model time (7.5x wall, mocker at quarter speed)",
+        about="Mooncake-format trace rows, lengths/8 (out/4), 30x speed in model time "
+        "(7.5x wall, mocker at quarter speed)",
         mocker_speedup=0.25,
+        trace=True,
     ),
 }
 MODES = ("round-robin", "least-loaded", "kv")
@@ -112,9 +123,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
-    return out.stdout.decode().strip() or "unknown"
+def parse_rows(text: str) -> tuple[int, int]:
+    """`START:END` (0-based, END excluded) as a pair; ValueError unless 0 <= START < END."""
+    start, sep, end = text.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise ValueError(f"--rows takes START:END, e.g. 0:1500 (got {text!r})")
+    if int(start) >= int(end):
+        raise ValueError(f"--rows: START must be below END (got {text!r})")
+    return int(start), int(end)
+
+
+def write_rows(trace: Path, rows: tuple[int, int], path: Path) -> int:
+    """Copy lines START..END-1 of `trace` (blank lines not counted) to `path`; how many."""
+    start, end = rows
+    with trace.open() as src:
+        lines = [line for line in src if line.strip()][start:end]
+    if not lines:
+        raise ValueError(f"--rows {start}:{end}: {trace} has no rows there")
+    path.write_text("".join(lines))
+    return len(lines)
 
 
 def tiny_model_dir(folder: Path) -> Path:
@@ -174,16 +201,30 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
     raise RuntimeError("shoal serve did not become healthy")
 
 
-def run_bench(url: str, tokenizer: Path, bench_args: list[str], out: Path) -> dict:
+def run_bench(url: str, tokenizer: Path, bench_args: list[str], out: Path, seed: int = 0) -> dict:
     argv = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
     argv += ["--tokenizer", str(tokenizer), "--out", str(out), "--no-progress", "--no-plots"]
-    argv += [*bench_args, "--seed", "0"]
+    argv += [*bench_args, "--seed", str(seed)]
     subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     (run,) = json.loads((out / "results.json").read_text())["runs"]
     return run["summary"]
 
 
+FIGURES = (
+    "requests_ok",
+    "errors",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "kv_hit_rate",
+)
+
+
 def figures(summary: dict) -> dict:
+    """The figures (FIGURES) of one `shoal bench` run summary."""
     lat, tp = summary["latency_ms"], summary["throughput"]
     return {
         "requests_ok": summary["requests"]["ok"],
@@ -199,17 +240,21 @@ def figures(summary: dict) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'workload':14} {'mode':13} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>7}"
-    head += f" {'req/s':>6} {'out tok/s':>9} {'KV hit':>7} {'TTFT p50 vs rr':>15}"
-    print(head)
+    """One line per workload and mode (medians over repeats, TTFT p50's min..max)."""
+    head = f"{'workload':14} {'mode':13} {'TTFT p50':>9} {'min..max':>15} {'p99':>8}"
+    head += f" {'ITL p50':>8} {'p99':>7} {'req/s':>6} {'out tok/s':>9} {'KV hit':>7}"
+    head += f" {'TTFT p50 vs rr':>15}"
+    print(head + f"   (medians of {rows[0]['repeats']} runs)")
     base = {r["workload"]: r for r in rows if r["mode"] == "round-robin"}
     for r in rows:
         rr = base.get(r["workload"])
         gain = f"{rr['ttft_p50_ms'] / r['ttft_p50_ms']:.2f}x better" if rr else "-"
         hit = f"{r['kv_hit_rate']:.1%}" if r["kv_hit_rate"] is not None else "-"
+        spread = f"{r['ttft_p50_ms_min']:.1f}..{r['ttft_p50_ms_max']:.1f}"
         print(
-            f"{r['workload']:14} {r['mode']:13} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:8.1f}"
-            f" {r['itl_p50_ms']:8.1f} {r['itl_p99_ms']:7.1f} {r['requests_per_s']:6.2f}"
+            f"{r['workload']:14} {r['mode']:13} {r['ttft_p50_ms']:9.1f} {spread:>15}"
+            f" {r['ttft_p99_ms']:8.1f} {r['itl_p50_ms']:8.1f} {r['itl_p99_ms']:7.1f}"
+            f" {r['requests_per_s']:6.2f}"
             f" {r['output_tokens_per_s']:9.0f} {hit:>7} {gain:>15}"
         )
 
@@ -251,7 +296,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, help="model folder (config.json + tokenizer)")
     p.add_argument("--workers", type=int, default=4)
@@ -269,50 +315,103 @@ def main() -> int:
         default=1.0,
         help="multiply each workload's offered load (rate, sessions in flight, replay speed)",
     )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=MOONCAKE,
+        help="mooncake: any Mooncake-format JSONL trace (default: the conversation trace)",
+    )
+    p.add_argument(
+        "--rows",
+        default="0:1500",
+        metavar="START:END",
+        help="mooncake: the trace rows replayed, 0-based, END excluded (default: 0:1500, "
+        "the rows the KV router's defaults were tuned on)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="live runs per workload and mode; the table gives the median and min..max",
+    )
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "router_bench")
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
+    return p
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One mode's runs as one row: each figure's median, TTFT p50's min and max."""
+    row = dict(runs[0])
+    for key in FIGURES:
+        values = [r[key] for r in runs if r[key] is not None]
+        row[key] = statistics.median(values) if values else None
+    p50s = [r["ttft_p50_ms"] for r in runs]
+    return {**row, "repeats": len(runs), "ttft_p50_ms_min": min(p50s), "ttft_p50_ms_max": max(p50s)}
+
+
+def main() -> int:
+    p = build_parser()
     args = p.parse_args()
     for name in args.workloads.split(","):
         if name not in WORKLOADS:
             p.error(f"--workloads: unknown {name!r} (choose from {', '.join(WORKLOADS)})")
+    try:
+        rows_range = parse_rows(args.rows)
+        if args.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+    except ValueError as e:
+        p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.model or tiny_model_dir(Path(tempfile.mkdtemp(prefix="router-bench-model-")))
     stamp = {
         "date": datetime.date.today().isoformat(),
-        "commit": os.environ.get("SHOAL_COMMIT") or git_commit(),
+        **provenance(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (mocker: 8B on H100 timing)",
         "workers": args.workers,
     }
-    rows = []
+    runs, rows = [], []
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
+        bench_args = workload.args(args.load_scale, args.speedup)
+        trace_fields = {}
+        if workload.trace:
+            sliced = args.out / f"trace-rows-{rows_range[0]}-{rows_range[1]}.jsonl"
+            count = write_rows(args.trace, rows_range, sliced)
+            bench_args += ["--trace", str(sliced), "--num-requests", str(count)]
+            trace_fields = {"trace": args.trace.name, "rows": args.rows, "num_requests": count}
         for mode in args.modes.split(","):
-            out = args.out / f"{name}-x{args.load_scale:g}" / mode
-            out.mkdir(parents=True, exist_ok=True)
-            print(f"-- {name} / {mode}", flush=True)
-            log = out / "serve.log"
-            speedup = args.speedup * workload.mocker_speedup
-            with serve(model, mode, args.workers, workload.kv_blocks, speedup, log) as url:
-                bench_args = workload.args(args.load_scale, args.speedup)
-                summary = run_bench(url, model, bench_args, out)
-            rows.append(
-                {
-                    **stamp,
-                    "workload": name,
-                    "about": workload.about,
-                    "load_scale": args.load_scale,
-                    "mocker_speedup": speedup,
-                    "bench_args": " ".join(bench_args),
-                    "mode": mode,
-                    "kv_blocks_per_worker": workload.kv_blocks,
-                    **figures(summary),
-                }
-            )
+            mode_runs = []
+            for repeat in range(args.repeats):
+                out = args.out / f"{name}-x{args.load_scale:g}" / mode / f"run{repeat}"
+                out.mkdir(parents=True, exist_ok=True)
+                print(f"-- {name} / {mode} / run {repeat + 1} of {args.repeats}", flush=True)
+                speedup = args.speedup * workload.mocker_speedup
+                log = out / "serve.log"
+                with serve(model, mode, args.workers, workload.kv_blocks, speedup, log) as url:
+                    summary = run_bench(url, model, bench_args, out, seed=repeat)
+                mode_runs.append(
+                    {
+                        **stamp,
+                        "workload": name,
+                        "about": workload.about,
+                        **trace_fields,
+                        "load_scale": args.load_scale,
+                        "mocker_speedup": speedup,
+                        "bench_args": " ".join(bench_args),
+                        "mode": mode,
+                        "repeat": repeat,
+                        "seed": repeat,
+                        "kv_blocks_per_worker": workload.kv_blocks,
+                        **figures(summary),
+                    }
+                )
+            runs += mode_runs
+            rows.append(median_row(mode_runs))
     print_table(rows)
     if not args.no_record:
         with (RESULTS / "router.jsonl").open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+            for run in runs:
+                f.write(json.dumps(run) + "\n")
         png = RESULTS / (
             "router.png" if args.load_scale == 1 else f"router-x{args.load_scale:g}.png"
         )

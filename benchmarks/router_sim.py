@@ -10,8 +10,10 @@ worker every 0.2 s, first-token and finish hooks.
 
 Workloads (--workload), each as router_bench.py runs it live:
 
-- mooncake: the first 1,500 requests of a Mooncake-format trace with lengths / 8, replayed
-  at --speeds times the recorded rate;
+- mooncake: the rows --rows (default 0:1500) of a Mooncake-format trace (--trace) with
+  lengths / 8, replayed at --speeds times the recorded rate. The KV router's defaults
+  (overlap credit, queue weight) were tuned here on rows 0:1500 at 30x, so figures meant to
+  measure the router, not fit it, need other rows and loads (e.g. --rows 1500:3000);
 - shared-prefix: 1,500 requests in 31 groups, each a 2,048-token group prefix plus 256
   tokens of its own, 16 out, Poisson arrivals at 50 req/s times --speeds;
 - multi-turn: 128 conversations of 5 turns, each turn adding 512 tokens to the history
@@ -23,11 +25,14 @@ plane's delay (events reach the router at the end of the step that made them) an
 host's time between steps. Options put each back as a fixed delay in model time (LiveEffects),
 to see which of them a live run's figures need.
 
-    python benchmarks/router_sim.py                                  # default sweep
-    python benchmarks/router_sim.py --speeds 17,30 --modes round-robin,kv
-    python benchmarks/router_sim.py --speeds 30 --step-overhead-ms 2 --hook-delay-ms 5
-    python benchmarks/router_sim.py --speeds 30 --arrival-jitter-ms 2 --repeats 10
-    python benchmarks/router_sim.py --workload multi-turn --arrival-jitter-ms 2 --repeats 10
+    .venv/bin/python benchmarks/router_sim.py                        # default sweep
+    .venv/bin/python benchmarks/router_sim.py --speeds 17,30 --modes round-robin,kv
+    .venv/bin/python benchmarks/router_sim.py --speeds 30 --step-overhead-ms 2 --hook-delay-ms 5
+    .venv/bin/python benchmarks/router_sim.py --speeds 30 --arrival-jitter-ms 2 --repeats 10
+    .venv/bin/python benchmarks/router_sim.py --rows 1500:3000 --speeds 20,30,40 --repeats 5 \
+        --arrival-jitter-ms 2
+    .venv/bin/python benchmarks/router_sim.py --workload multi-turn --arrival-jitter-ms 2 \
+        --repeats 10
 """
 
 from __future__ import annotations
@@ -38,7 +43,6 @@ import functools
 import heapq
 import itertools
 import json
-import os
 import random
 import statistics
 import sys
@@ -51,8 +55,10 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router_bench import MOONCAKE, RESULTS, git_commit, tiny_model_dir
+from provenance import provenance
+from router_bench import MOONCAKE, RESULTS, parse_rows, tiny_model_dir
 
 from shoal.bench.trace import TraceEntry, TraceSynthesis, load_trace
 from shoal.engine.config import EngineConfig
@@ -416,11 +422,20 @@ def simulate(
     return sim.run()
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", choices=WORKLOADS, default="mooncake")
-    p.add_argument("--trace", type=Path, default=MOONCAKE, help="mooncake: the trace")
-    p.add_argument("--num-requests", type=int, default=1500, help="mooncake: rows replayed")
+    p.add_argument(
+        "--trace", type=Path, default=MOONCAKE, help="mooncake: any Mooncake-format JSONL trace"
+    )
+    p.add_argument(
+        "--rows",
+        default="0:1500",
+        metavar="START:END",
+        help="mooncake: the trace rows replayed, 0-based, END excluded (default: 0:1500, "
+        "the rows the KV router's defaults were tuned on)",
+    )
     p.add_argument("--input-scale", type=float, default=0.125, help="mooncake: length scale")
     p.add_argument("--output-scale", type=float, default=0.25, help="mooncake: output scale")
     p.add_argument(
@@ -457,6 +472,11 @@ def main() -> int:
     )
     add_effect_args(p)
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
+    return p
+
+
+def main() -> int:
+    p = build_parser()
     args = p.parse_args()
     kv_blocks, default_speeds = WORKLOADS[args.workload]
     kv_blocks = args.kv_blocks or kv_blocks
@@ -471,21 +491,25 @@ def main() -> int:
         effects = effects_from_args(args)
         if args.arrival_jitter_ms < 0 or args.repeats < 1:
             raise ValueError("--arrival-jitter-ms must be >= 0 and --repeats >= 1")
+        start, end = parse_rows(args.rows)
     except ValueError as e:
         p.error(str(e))
     model = tiny_model_dir(Path(tempfile.mkdtemp(prefix="router-sim-model-")))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     stamp = {
         "date": datetime.date.today().isoformat(),
-        "commit": os.environ.get("SHOAL_COMMIT") or git_commit(),
+        **provenance(),
         "workload": args.workload,
     }
     if args.workload == "mooncake":
-        entries = load_trace(args.trace, limit=args.num_requests)
+        entries = load_trace(args.trace, limit=end)[start:]
+        if not entries:
+            p.error(f"--rows {args.rows}: {args.trace} has no rows there")
         synthesis = TraceSynthesis(input_scale=args.input_scale, output_scale=args.output_scale)
         requests = synthesize(entries, synthesis, vocab)
         stamp |= {
             "trace": args.trace.name,
+            "rows": args.rows,
             "num_requests": len(entries),
             "input_scale": args.input_scale,
             "output_scale": args.output_scale,
