@@ -5,7 +5,8 @@ import torch
 from helpers import assert_no_leaks, greedy, hf_model, random_prompts, token_ids
 
 from shoal import LLM, SamplingParams
-from shoal.engine.sampler import filtered_probs
+from shoal.engine.request import Request
+from shoal.engine.sampler import Sampler, filtered_probs
 
 PROMPTS = random_prompts([9, 30, 17], seed=20)
 
@@ -102,6 +103,51 @@ def test_penalties_change_greedy_choice(llm):
         out = token_ids(llm, [PROMPTS[0]], greedy(24, **kw))[0]
         assert out != base
         assert len(set(out)) >= len(set(base))
+
+
+def penalised(logits: list[float], prompt: list[int], outputs: list[int], **penalties):
+    """The sampler's penalised logits and greedy choice for one request with this history."""
+    sp = SamplingParams(temperature=0.0, **penalties)
+    req = Request("r", prompt, sp, frozenset(), 16)
+    for token in outputs:
+        req.append_token(token)
+    sampler = Sampler()
+    row = torch.tensor([logits])
+    adjusted = sampler._apply_penalties(row.clone(), [req])[0].tolist()
+    return adjusted, sampler(row, [req]).token_ids.item()
+
+
+# vocab of 6; prompt tokens 1, 2; output tokens 4, 4, 3
+LOGITS, PROMPT, OUTPUTS = [2.0, 1.5, -1.0, 0.5, 3.0, 0.0], [1, 2], [4, 4, 3]
+
+
+def test_penalties_by_hand():
+    # vLLM's definitions. repetition_penalty r on every token seen in the prompt or the
+    # output: a positive logit is divided by r, a negative one multiplied by r. Then, on
+    # output tokens only: logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    adjusted, chosen = penalised(LOGITS, PROMPT, OUTPUTS, repetition_penalty=2.0)
+    # 1: 1.5 / 2; 2: -1.0 * 2; 3: 0.5 / 2; 4: 3.0 / 2; 0 and 5 unseen
+    assert adjusted == [2.0, 0.75, -2.0, 0.25, 1.5, 0.0]
+    assert chosen == 0
+    adjusted, chosen = penalised(LOGITS, PROMPT, OUTPUTS, frequency_penalty=1.0)
+    # 4 twice: 3.0 - 2; 3 once: 0.5 - 1; prompt tokens untouched
+    assert adjusted == [2.0, 1.5, -1.0, -0.5, 1.0, 0.0]
+    assert chosen == 0
+    adjusted, chosen = penalised(LOGITS, PROMPT, OUTPUTS, presence_penalty=0.5)
+    # 4: 3.0 - 0.5; 3: 0.5 - 0.5
+    assert adjusted == [2.0, 1.5, -1.0, 0.0, 2.5, 0.0]
+    assert chosen == 4
+    adjusted, chosen = penalised(
+        LOGITS,
+        PROMPT,
+        OUTPUTS,
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=1.0,
+    )
+    # repetition first, then 4: 1.5 - (0.5 * 2 + 1.0); 3: 0.25 - (0.5 * 1 + 1.0)
+    assert adjusted == [2.0, 0.75, -2.0, -1.25, -0.5, 0.0]
+    assert chosen == 0
 
 
 def test_stop_token_ids_min_tokens_and_eos(llm):

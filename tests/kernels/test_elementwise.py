@@ -5,7 +5,7 @@ Natively on a GPU; in Triton's CPU interpreter elsewhere.
 
 import pytest
 import torch
-from kernel_setup import DEVICE, DTYPES, GPU
+from kernel_setup import DEVICE, DTYPES
 
 pytest.importorskip("triton")
 
@@ -34,11 +34,48 @@ def test_rmsnorm_with_and_without_residual(dtype, dim):
     torch.testing.assert_close(out, norm.reference(x + res), atol=tol + 1e-5, rtol=tol + 1e-5)
 
 
+def silu_mul_closed_form(x: torch.Tensor) -> torch.Tensor:
+    """gate / (1 + exp(-gate)) * up in float64, from the definition of SiLU."""
+    gate, up = x.double().chunk(2, -1)
+    return gate * (1.0 / (1.0 + torch.exp(-gate))) * up
+
+
+# silu(g) at a few points, worked out by hand: g / (1 + e^-g)
+KNOWN_SILU = {
+    0.0: 0.0,
+    1.0: 0.7310585786300049,
+    -1.0: -0.2689414213699951,
+    2.0: 1.7615941559557649,
+    -20.0: -4.1223072e-08,
+    20.0: 19.999999958776927,
+}
+
+
+def silu_tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+def implementations() -> list:
+    """The Triton kernel, and the layer (its CPU path where there is no GPU)."""
+    return [elementwise.silu_and_mul, silu_and_mul]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
-    x = rand(5, 2 * 1500, dtype=dtype, seed=5)
-    gate, up = x.float().chunk(2, -1)
-    ref = (torch.nn.functional.silu(gate) * up).to(dtype)
-    torch.testing.assert_close(elementwise.silu_and_mul(x), ref, atol=2e-2, rtol=2e-2)
-    if not GPU:
-        torch.testing.assert_close(silu_and_mul(x), ref, atol=2e-2, rtol=2e-2)
+@pytest.mark.parametrize("fn", implementations(), ids=["triton", "layer"])
+def test_silu_and_mul_known_values(dtype, fn):
+    gates = torch.tensor(list(KNOWN_SILU), dtype=torch.float64)
+    expected = torch.tensor(list(KNOWN_SILU.values()), dtype=torch.float64)
+    # up = 1 gives silu(gate); up = -3 scales it
+    ups = torch.stack([torch.ones(6), -3 * torch.ones(6)])
+    x = torch.cat([torch.stack([gates, gates]), ups], 1)
+    out = fn(x.to(dtype).to(DEVICE)).double().cpu()
+    torch.testing.assert_close(out, torch.stack([expected, -3 * expected]), **silu_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", implementations(), ids=["triton", "layer"])
+def test_silu_and_mul_matches_closed_form(dtype, fn):
+    x = rand(5, 2 * 1500, dtype=dtype, seed=5) * 4
+    ref = silu_mul_closed_form(x.cpu())
+    out = fn(x).double().cpu()
+    torch.testing.assert_close(out, ref, **silu_tolerance(dtype))

@@ -1,10 +1,8 @@
 """The fused q/k norm + rotary + KV store kernel against its pure-torch reference.
 
 Natively on a GPU (float32 and bfloat16); in Triton's CPU interpreter elsewhere (float32).
-Inputs are random and fresh on every run (the seed is printed on failure).
+Inputs are random with a fixed seed per case, so every run checks the same cases.
 """
-
-import random
 
 import pytest
 import torch
@@ -53,8 +51,10 @@ def make_case(seed, dtype, heads, kv_heads, head_dim, block_size, qk_norm):
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128), (6, 1, 64)])
-def test_qk_rope_store_matches_reference(dtype, qk_norm, block_size, heads, kv_heads, head_dim):
-    seed = random.SystemRandom().randrange(2**31)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_qk_rope_store_matches_reference(
+    dtype, qk_norm, block_size, heads, kv_heads, head_dim, seed
+):
     qkv, cache, positions, slots, rotary, (q_norm, k_norm) = make_case(
         seed, dtype, heads, kv_heads, head_dim, block_size, qk_norm
     )

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from shoal import LLM
+from shoal import LLM, SamplingParams
 from shoal.layers.rotary import rope_inv_freq
 from shoal.models.config import ModelConfig
 
@@ -104,9 +104,22 @@ def test_sliding_window_caps_context(tmp_path, model_dirs):
         LLM(str(model), max_model_len=512)
 
 
-def test_bfloat16_runs(llama_dir):
-    out = LLM(str(llama_dir), dtype="bfloat16").generate([[5, 6, 7]])[0]
-    assert len(out.outputs[0].token_ids) == 16
+def prompt_token_logprobs(model_dir, dtype: str, prompt: list[int]) -> torch.Tensor:
+    """The logprob the model gives each prompt token after the first, in this dtype."""
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = LLM(str(model_dir), dtype=dtype).generate([prompt], sp)[0]
+    return torch.tensor([lp.logprobs[0] for lp in out.prompt_logprobs[1:]])
+
+
+def test_bfloat16_logprobs_match_float32(llama_dir):
+    prompt = list(range(5, 45))
+    full = prompt_token_logprobs(llama_dir, "float32", prompt)
+    half = prompt_token_logprobs(llama_dir, "bfloat16", prompt)
+    # the float32 logprobs vary by far more than the tolerance, so a wrong bf16 path fails
+    assert full.std() > 1.0
+    diff = (half - full).abs()
+    assert diff.max() < 0.3, diff
+    assert diff.mean() < 0.1, diff
 
 
 def test_dummy_load_format_needs_only_a_config(tmp_path, llama_dir):
