@@ -11,11 +11,15 @@ from shoal.runtime.discovery import DEFAULT_LEASE_TTL, Discovery, make_discovery
 from shoal.runtime.endpoint_client import DEFAULT_REMOVAL_PROBE, EndpointClient
 from shoal.runtime.request_client import (
     DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_WINDOW,
     RequestClient,
 )
-from shoal.runtime.request_server import DEFAULT_MAX_STREAMS, Handler, RequestServer
+from shoal.runtime.request_server import (
+    DEFAULT_DEAD_AFTER,
+    DEFAULT_MAX_STREAMS,
+    Handler,
+    RequestServer,
+)
 
 T = TypeVar("T")
 
@@ -38,6 +42,10 @@ class DistributedRuntime:
     `discovery` is a Discovery, or a URL for make_discovery (None: $SHOAL_DISCOVERY or
     in-process). The request server binds `host:port` (port 0 picks one) on the first
     serve_endpoint; `advertise_host` is the host others dial, when it differs from `host`.
+    A peer on the request plane counts as dead when its connection closes, when discovery
+    drops it and it misses a probe (`removal_probe` seconds), or after `dead_after` seconds
+    of total silence. `plane_secret`, if set, signs and checks every request-plane message
+    (and is what this process's event publishers and subscribers should use).
     """
 
     def __init__(
@@ -51,9 +59,10 @@ class DistributedRuntime:
         lease_ttl: float = DEFAULT_LEASE_TTL,
         window: int = DEFAULT_WINDOW,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        dead_after: float = DEFAULT_DEAD_AFTER,
         max_streams: int = DEFAULT_MAX_STREAMS,
         removal_probe: float = DEFAULT_REMOVAL_PROBE,
+        plane_secret: str | None = None,
     ) -> None:
         self._owns_discovery = not isinstance(discovery, Discovery)
         self.discovery = (
@@ -61,17 +70,21 @@ class DistributedRuntime:
         )
         self.instance_id = instance_id or secrets.token_hex(8)
         self.lease_ttl = lease_ttl
+        self.plane_secret = plane_secret
         self.requests = RequestClient(
             window=window,
             heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
+            dead_after=dead_after,
+            secret=plane_secret,
         )
         self.server = RequestServer(
             host,
             port,
             advertise_host=advertise_host,
             max_streams=max_streams,
-            peer_timeout=heartbeat_timeout,
+            dead_after=dead_after,
+            heartbeat_interval=heartbeat_interval,
+            secret=plane_secret,
         )
         self._removal_probe = removal_probe
         self._served: dict[str, ServedEndpoint] = {}

@@ -93,15 +93,27 @@ class EndpointClient(Generic[T]):
             ) from None
         return self.instances()
 
-    def generate(self, instance: InstanceRecord | str, request: Any) -> ResponseStream[T]:
-        """Stream `request` to `instance` (a record or a known instance id)."""
+    def generate(
+        self,
+        instance: InstanceRecord | str,
+        request: Any,
+        *,
+        next_timeout: float | None = None,
+    ) -> ResponseStream[T]:
+        """Stream `request` to `instance` (a record or a known instance id).
+
+        next_timeout: seconds each response may take; past it the stream is cancelled and
+        raises StreamTimeoutError (a WorkerLostError: the request may move elsewhere).
+        """
         if isinstance(instance, str):
             record = self._instances.get(instance)
             if record is None:
                 raise NoInstancesError(f"no instance {instance} of {self._name}")
         else:
             record = instance
-        return self._requests.stream(record.address, self._name, request, self._response_type)
+        return self._requests.stream(
+            record.address, self._name, request, self._response_type, next_timeout=next_timeout
+        )
 
     async def _follow(self) -> None:
         try:

@@ -19,6 +19,14 @@ class WorkerLostError(RuntimePlaneError):
         self.reason = reason
 
 
+class StreamTimeoutError(WorkerLostError):
+    """No response came on a stream within its next-response deadline; it was cancelled.
+
+    The worker may be alive (its connection stays open), but this request made no progress:
+    like any WorkerLostError, the request may move to another instance.
+    """
+
+
 class RemoteError(RuntimePlaneError):
     """The worker answered a stream with an error; `code` says which kind."""
 
@@ -53,12 +61,25 @@ class OverloadedError(RemoteError):
     code = "overloaded"
 
 
+class UnauthorizedError(RemoteError):
+    """The worker refused a message that did not carry a valid MAC of the plane secret."""
+
+    code = "unauthorized"
+
+
 class NoInstancesError(RuntimePlaneError):
     """No instance of an endpoint is known (or appeared in time)."""
 
 
 _REMOTE_ERRORS: dict[str, type[RemoteError]] = {
-    cls.code: cls for cls in (HandlerError, EndpointNotFoundError, BadRequestError, OverloadedError)
+    cls.code: cls
+    for cls in (
+        HandlerError,
+        EndpointNotFoundError,
+        BadRequestError,
+        OverloadedError,
+        UnauthorizedError,
+    )
 }
 
 

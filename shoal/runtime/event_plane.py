@@ -3,7 +3,9 @@
 A message is three frames, the layout vLLM's KV-event publisher uses: the topic, a sequence
 number (8 bytes, big-endian, from 1, counted per publisher and topic), and the msgpack
 payload. Topic filtering is ZMQ's prefix match; a subscriber that sees a topic's sequence
-number jump knows it missed messages.
+number jump knows it missed messages. With a plane secret, each message carries a fourth
+frame, the HMAC of the other three (shoal.runtime.auth); a subscriber with the secret ignores
+messages without a valid one, so a peer that lacks it cannot feed a router false events.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import msgspec
 import zmq
 
+from shoal.runtime.auth import make_signer
 from shoal.runtime.codec import ENCODER, decoder
 from shoal.runtime.errors import RuntimePlaneError
 from shoal.runtime.zmq_loop import LoopSocket
@@ -29,6 +32,7 @@ T = TypeVar("T")
 _SEQ = struct.Struct(">Q")
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_WARN_EVERY = 1000  # log the first dropped message, then one in this many
 
 
 class Event(NamedTuple, Generic[T]):
@@ -49,7 +53,8 @@ class EventPublisher:
     """Publishes messages on `tcp://host:port` (port 0 picks one); never blocks.
 
     Subscribers that fall more than `hwm` messages behind lose messages (ZMQ PUB drops), which
-    they see as a gap in `seq`. Use from one thread.
+    they see as a gap in `seq`. `secret`: the plane secret to sign messages with. Use from
+    one thread.
     """
 
     def __init__(
@@ -59,10 +64,12 @@ class EventPublisher:
         *,
         advertise_host: str | None = None,
         hwm: int = 100_000,
+        secret: str | bytes | None = None,
         context: zmq.Context | None = None,
     ) -> None:
         if host in ("0.0.0.0", "*") and advertise_host is None:
             raise ValueError("binding every interface needs advertise_host")
+        self._signer = make_signer(secret)
         sock = (context or zmq.Context.instance()).socket(zmq.PUB)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.LINGER, 0)
@@ -79,9 +86,15 @@ class EventPublisher:
             state = self._topics[topic] = _Topic(topic)
         state.seq += 1
         send = self._sock.send
+        seq = _SEQ.pack(state.seq)
+        payload = ENCODER.encode(message)
         send(state.name, _SNDMORE_NOBLOCK)
-        send(_SEQ.pack(state.seq), _SNDMORE_NOBLOCK)
-        send(ENCODER.encode(message), _NOBLOCK)
+        send(seq, _SNDMORE_NOBLOCK)
+        if self._signer is None:
+            send(payload, _NOBLOCK)
+        else:
+            send(payload, _SNDMORE_NOBLOCK)
+            send(self._signer.mac([state.name, seq, payload]), _NOBLOCK)
         return state.seq
 
     def close(self) -> None:
@@ -93,7 +106,8 @@ class EventSubscriber(Generic[T]):
 
     Create it inside a running event loop; connect() it to any number of publishers. At most
     `max_pending` received messages wait for the consumer; beyond that it stops reading and
-    the publishers' high-water marks apply.
+    the publishers' high-water marks apply. With `secret`, only messages signed with it are
+    kept; anything malformed or unsigned is dropped (and logged, sparingly).
     """
 
     def __init__(
@@ -102,6 +116,7 @@ class EventSubscriber(Generic[T]):
         topics: Iterable[str] = ("",),
         *,
         max_pending: int = 10_000,
+        secret: str | bytes | None = None,
         context: zmq.Context | None = None,
     ) -> None:
         sock = (context or zmq.Context.instance()).socket(zmq.SUB)
@@ -110,6 +125,8 @@ class EventSubscriber(Generic[T]):
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._decode = decoder(message_type).decode
         self._max_pending = max_pending
+        self._signer = make_signer(secret)
+        self.num_dropped = 0
         self._pending: collections.deque[list[bytes]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._sock = LoopSocket(sock, self._on_frames)
@@ -122,8 +139,14 @@ class EventSubscriber(Generic[T]):
         self._sock.sock.disconnect(address)
 
     def _on_frames(self, frames: list[bytes]) -> None:
+        if self._signer is not None:
+            checked = self._signer.verify(frames)
+            if checked is None:
+                self._drop("an event without a valid MAC of the plane secret")
+                return
+            frames = checked
         if len(frames) != 3:
-            log.warning("dropping event with %d frames (want topic, seq, payload)", len(frames))
+            self._drop(f"an event of {len(frames)} frames (want topic, seq, payload)")
             return
         self._pending.append(frames)
         if len(self._pending) >= self._max_pending:
@@ -148,7 +171,12 @@ class EventSubscriber(Generic[T]):
             try:
                 return Event(topic.decode(), _SEQ.unpack(seq)[0], self._decode(payload))
             except (msgspec.DecodeError, struct.error, UnicodeDecodeError) as exc:
-                log.warning("dropping undecodable event on topic %r: %s", topic, exc)
+                self._drop(f"an undecodable event on topic {topic!r}: {exc}")
+
+    def _drop(self, what: str) -> None:
+        self.num_dropped += 1
+        if self.num_dropped % _WARN_EVERY == 1:
+            log.warning("event plane: dropping %s (%d dropped so far)", what, self.num_dropped)
 
     def __aiter__(self) -> EventSubscriber[T]:
         return self

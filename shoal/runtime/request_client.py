@@ -1,9 +1,12 @@
 """Request plane, client side: one ZMQ DEALER connection per worker, many streams over each.
 
 A connection is lost (every open stream fails with WorkerLostError, and the connection is
-dropped so the next request opens a fresh one) when the TCP link closes, when the worker sends
-nothing for heartbeat_timeout while streams wait on it, or when a probe after the worker's
-removal from discovery goes unanswered.
+dropped so the next request opens a fresh one) when the TCP link closes, when a probe after
+the worker's removal from discovery goes unanswered, or when the worker sends nothing at all
+for `dead_after` (default 60 s) while streams wait on it. A worker that is merely slow (a GC
+pause, a stopped process, a busy host) keeps its streams. A stream may also carry its own
+deadline for the next response (`next_timeout`), after which that stream alone is cancelled
+with StreamTimeoutError.
 """
 
 from __future__ import annotations
@@ -32,8 +35,15 @@ from shoal.protocol import (
     StreamError,
     StreamOpen,
 )
+from shoal.runtime.auth import make_signer
 from shoal.runtime.codec import ENCODER, decoder
-from shoal.runtime.errors import RuntimePlaneError, WorkerLostError, remote_error
+from shoal.runtime.errors import (
+    RuntimePlaneError,
+    StreamTimeoutError,
+    WorkerLostError,
+    remote_error,
+)
+from shoal.runtime.request_server import DEFAULT_DEAD_AFTER, set_heartbeats
 from shoal.runtime.zmq_loop import LoopSocket
 
 log = logging.getLogger(__name__)
@@ -42,7 +52,6 @@ T = TypeVar("T")
 
 DEFAULT_WINDOW = 64
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT = 4.0
 
 
 class ResponseStream(Generic[T]):
@@ -52,6 +61,9 @@ class ResponseStream(Generic[T]):
     (after any responses that arrived before it). The stream belongs to the task that first
     reads it: calling cancel(), leaving `async with`, dropping the stream, or the end of that
     task (cancelled or not) before the stream's end cancels the handler on the worker.
+
+    `next_timeout` (seconds, None for none; settable at any time) bounds each wait for the
+    next response: when it passes, the stream is cancelled and raises StreamTimeoutError.
     """
 
     __slots__ = (
@@ -68,6 +80,7 @@ class ResponseStream(Generic[T]):
         "_unacked",
         "_waiter",
         "endpoint",
+        "next_timeout",
     )
 
     def __init__(
@@ -77,8 +90,10 @@ class ResponseStream(Generic[T]):
         endpoint: str,
         decode: Callable[[bytes], T],
         credit_every: int,
+        next_timeout: float | None = None,
     ) -> None:
         self._conn = conn
+        self.next_timeout = next_timeout
         self._rid = rid
         self.endpoint = endpoint
         self._decode = decode
@@ -104,12 +119,21 @@ class ResponseStream(Generic[T]):
                 if self._error is not None:
                     raise self._error
                 raise StopAsyncIteration
-            waiter = self._waiter = self._conn.loop.create_future()
+            loop = self._conn.loop
+            waiter = self._waiter = loop.create_future()
+            timer = (
+                None
+                if self.next_timeout is None
+                else loop.call_later(self.next_timeout, self._expire, waiter)
+            )
             try:
                 await waiter
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, StreamTimeoutError):
                 self.cancel()
                 raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
         payload = items.popleft()
         if not self._done:
             self._unacked += 1
@@ -168,6 +192,11 @@ class ResponseStream(Generic[T]):
         self._unbind_owner()  # the worker is done with it: nothing left to cancel
         self._wake()
 
+    def _expire(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            reason = f"no response for {self.next_timeout:.1f}s on stream {self._rid}"
+            waiter.set_exception(StreamTimeoutError(self._conn.address, reason))
+
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None:
@@ -194,11 +223,13 @@ class _Connection:
         # Memory is bounded by the credit windows of open streams, not by dropping frames.
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        set_heartbeats(sock, client.heartbeat_interval, client.dead_after)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(address)
         self.sock = LoopSocket(sock, self._on_frames)
         self.monitor = LoopSocket(monitor, self._on_monitor)
         self.decode_frame = decoder(ServerFrame).decode
+        self.signer = client.signer
         self.streams: dict[int, ResponseStream[Any]] = {}
         self.cancelling: set[int] = set()
         self.next_rid = 0
@@ -210,12 +241,16 @@ class _Connection:
         ]
 
     def open(
-        self, endpoint: str, payload: bytes, decode: Callable[[bytes], Any]
+        self,
+        endpoint: str,
+        payload: bytes,
+        decode: Callable[[bytes], Any],
+        next_timeout: float | None,
     ) -> ResponseStream[Any]:
         self.next_rid += 1
         rid = self.next_rid
         window = self.client.window
-        stream = ResponseStream(self, rid, endpoint, decode, max(1, window // 2))
+        stream = ResponseStream(self, rid, endpoint, decode, max(1, window // 2), next_timeout)
         if not self.streams:
             self.waiting_since = time.monotonic()
         self.streams[rid] = stream
@@ -224,7 +259,7 @@ class _Connection:
 
     def send(self, frames: list[bytes]) -> None:
         if not self.closed:
-            self.sock.send(frames)
+            self.sock.send(frames if self.signer is None else self.signer.sign(frames))
 
     def send_credit(self, rid: int, n: int) -> None:
         self.send([ENCODER.encode(StreamCredit(rid, n))])
@@ -276,6 +311,12 @@ class _Connection:
 
     def _on_frames(self, frames: list[bytes]) -> None:
         self.last_recv = time.monotonic()
+        if self.signer is not None:
+            checked = self.signer.verify(frames)
+            if checked is None:
+                log.warning("dropping a message from %s without a valid MAC", self.address)
+                return
+            frames = checked
         try:
             frame = self.decode_frame(frames[0])
         except msgspec.DecodeError:
@@ -284,8 +325,12 @@ class _Connection:
         kind = type(frame)
         if kind is StreamData:
             stream = self.streams.get(frame.rid)
-            if stream is not None and len(frames) > 1:
+            if stream is not None and len(frames) == 2:
                 stream._push(frames[1])
+            elif stream is not None:
+                self.cancel(frame.rid)
+                message = f"StreamData with {len(frames)} frames"
+                stream._finish(remote_error(self.address, "bad_request", message))
             elif frame.rid not in self.cancelling:
                 self.cancel(frame.rid)  # a stream this side no longer knows: stop it
         elif kind is StreamEnd or kind is StreamError:
@@ -305,7 +350,7 @@ class _Connection:
 
     async def _heartbeat(self) -> None:
         interval = self.client.heartbeat_interval
-        timeout = self.client.heartbeat_timeout
+        timeout = self.client.dead_after
         seq = 0
         while True:
             await asyncio.sleep(interval)
@@ -334,25 +379,41 @@ class RequestClient:
         *,
         window: int = DEFAULT_WINDOW,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        dead_after: float = DEFAULT_DEAD_AFTER,
+        secret: str | bytes | None = None,
         context: zmq.Context | None = None,
     ) -> None:
+        """window: responses in flight per stream; heartbeat_interval: seconds between
+        heartbeats; dead_after: seconds of total silence from a worker with open streams
+        before it counts as dead; secret: the plane secret (None: no authentication)."""
         if window < 1:
             raise ValueError("window must be at least 1")
         self.window = window
         self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
+        self.dead_after = dead_after
+        self.signer = make_signer(secret)
         self.context = context or zmq.Context.instance()
         self._conns: dict[str, _Connection] = {}
 
     def stream(
-        self, address: str, endpoint: str, request: Any, response_type: type[T]
+        self,
+        address: str,
+        endpoint: str,
+        request: Any,
+        response_type: type[T],
+        *,
+        next_timeout: float | None = None,
     ) -> ResponseStream[T]:
-        """Send `request` to `endpoint` on the worker at `address`; iterate the result."""
+        """Send `request` to `endpoint` on the worker at `address`; iterate the result.
+
+        next_timeout: seconds each response may take before the stream fails with
+        StreamTimeoutError (None: no limit but the connection's liveness).
+        """
         conn = self._conns.get(address)
         if conn is None:
             conn = self._conns[address] = _Connection(self, address)
-        return conn.open(endpoint, ENCODER.encode(request), decoder(response_type).decode)
+        payload = ENCODER.encode(request)
+        return conn.open(endpoint, payload, decoder(response_type).decode, next_timeout)
 
     def probe(self, address: str, within: float) -> None:
         """Check the worker at `address` answers within `within` s, else fail its streams."""

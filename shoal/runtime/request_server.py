@@ -2,8 +2,12 @@
 
 Each stream runs its endpoint's handler in its own task. The handler's responses go out as
 StreamData frames under a credit window (the client grants more as its consumer reads), so a
-slow consumer pauses the handler instead of growing a queue. A StreamCancel, a vanished peer
-or a shutdown cancels the handler task, which lets an engine abort and free its KV blocks.
+slow consumer pauses the handler instead of growing a queue. A StreamCancel, a peer whose
+connection closed (or that sent nothing for `dead_after`) or a shutdown cancels the handler
+task, which lets an engine abort and free its KV blocks. Every frame is validated (and, with
+a plane secret, authenticated) before it is acted on; a bad one costs its sender an error
+reply, and a stream whose handler ends in any way other than a vanished peer gets a final
+StreamEnd or StreamError.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from shoal.protocol import (
     ClientFrame,
@@ -29,6 +34,7 @@ from shoal.protocol import (
     StreamOpen,
 )
 from shoal.runtime.addressing import EndpointAddress
+from shoal.runtime.auth import make_signer
 from shoal.runtime.codec import ENCODER, decoder
 from shoal.runtime.errors import SHUTDOWN_CODE
 from shoal.runtime.zmq_loop import LoopSocket
@@ -39,7 +45,12 @@ Handler = Callable[[Any], AsyncIterator[Any]]
 """An endpoint handler: takes the decoded request, yields response structs."""
 
 DEFAULT_MAX_STREAMS = 4096
-DEFAULT_PEER_TIMEOUT = 4.0
+DEFAULT_DEAD_AFTER = 60.0  # seconds of silence after which a connected peer counts as dead
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+MAX_WINDOW = 1 << 16
+# header frame types and how many frames (header included, peer and MAC not) each must have
+_FRAME_COUNTS = {StreamOpen: 2, StreamCredit: 1, StreamCancel: 1, Heartbeat: 1}
+_CANCELLED = "stream cancelled on the worker"
 
 
 class _Endpoint:
@@ -71,7 +82,8 @@ class _Stream:
         self.endpoint = endpoint
         self.credits = window
         self.data_header = ENCODER.encode(StreamData(rid))
-        self.cancel_reply: bytes | None = None
+        # the final frame if the handler task is cancelled; None only when the peer is gone
+        self.cancel_reply: bytes | None = _error_frame(rid, "handler", _CANCELLED)
         self.waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[bytes | None] | None = None
 
@@ -81,7 +93,13 @@ def _error_frame(rid: int, code: str, message: str) -> bytes:
 
 
 class RequestServer:
-    """Serves endpoints on `tcp://host:port` (port 0 picks a free one) to RequestClients."""
+    """Serves endpoints on `tcp://host:port` (port 0 picks a free one) to RequestClients.
+
+    A client's streams are cancelled when its connection closes, never because it is merely
+    slow: only `dead_after` seconds without a single frame (it heartbeats every second while
+    connected) count as death. `secret`, if set, is the plane secret every frame must be
+    signed with (see shoal.runtime.auth).
+    """
 
     def __init__(
         self,
@@ -90,7 +108,9 @@ class RequestServer:
         *,
         advertise_host: str | None = None,
         max_streams: int = DEFAULT_MAX_STREAMS,
-        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        dead_after: float = DEFAULT_DEAD_AFTER,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        secret: str | bytes | None = None,
         context: zmq.Context | None = None,
     ) -> None:
         if host in ("0.0.0.0", "*") and advertise_host is None:
@@ -99,14 +119,18 @@ class RequestServer:
         self._port = port
         self._advertise_host = advertise_host or host
         self._max_streams = max_streams
-        self._peer_timeout = peer_timeout
+        self._dead_after = dead_after
+        self._heartbeat_interval = heartbeat_interval
+        self._signer = make_signer(secret)
         self._context = context or zmq.Context.instance()
         self._endpoints: dict[str, _Endpoint] = {}
         self._peers: dict[bytes, dict[int, _Stream]] = {}
         self._last_seen: dict[bytes, float] = {}
+        self._fd_peer: dict[int, bytes] = {}  # connection file descriptor -> its peer
         self._num_streams = 0
         self._closing = False
         self._sock: LoopSocket | None = None
+        self._monitor: LoopSocket | None = None
         self._janitor_task: asyncio.Task[None] | None = None
         self._decode_frame = decoder(ClientFrame).decode
         self._address = ""
@@ -132,9 +156,12 @@ class RequestServer:
         # Memory is bounded by credit windows and max_streams, not by dropping frames.
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        set_heartbeats(sock, self._heartbeat_interval, self._dead_after)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.bind(f"tcp://{self._host}:{self._port or '*'}")
         port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-        self._sock = LoopSocket(sock, self._on_frames)
+        self._sock = LoopSocket(sock, self._on_frames, track_source=True)
+        self._monitor = LoopSocket(monitor, self._on_monitor)
         self._address = f"tcp://{self._advertise_host}:{port}"
         self._janitor_task = asyncio.create_task(self._janitor(), name="request-server-janitor")
         return self._address
@@ -170,6 +197,10 @@ class RequestServer:
         if self._janitor_task is not None:
             self._janitor_task.cancel()
             await asyncio.gather(self._janitor_task, return_exceptions=True)
+        if self._monitor is not None:
+            self._sock.sock.disable_monitor()
+            self._monitor.close()
+            self._monitor = None
         self._sock.close(linger_ms=500)
         self._sock = None
 
@@ -186,36 +217,91 @@ class RequestServer:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _send(self, frames: list[bytes]) -> bool:
-        """Queue frames for a peer; False if the peer is gone (sends never block: HWM 0)."""
-        return self._sock is not None and self._sock.send(frames)
+        """Queue [peer, *frames] (signed when a secret is set); False if the peer is gone.
+
+        Sends never block (HWM 0).
+        """
+        if self._sock is None:
+            return False
+        if self._signer is not None:
+            frames = [frames[0], *self._signer.sign(frames[1:])]
+        return self._sock.send(frames)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             return
         peer = frames[0]
         self._last_seen[peer] = time.monotonic()
+        self._fd_peer[self._sock.source_fd] = peer  # type: ignore[union-attr]
+        body = frames[1:]
+        if self._signer is not None:
+            checked = self._signer.verify(body)
+            if checked is None:
+                message = "message not signed with the plane secret"
+                self._refuse(peer, self._rid_of(body[0]), "unauthorized", message)
+                return
+            body = checked
         try:
-            frame = self._decode_frame(frames[1])
-        except msgspec.DecodeError:
-            log.warning("dropping undecodable request-plane frame from peer %r", peer)
+            frame = self._decode_frame(body[0])
+        except msgspec.DecodeError as exc:
+            log.warning("dropping undecodable request-plane frame from peer %r: %s", peer, exc)
+            self._send([peer, _error_frame(0, "bad_request", f"undecodable header: {exc}")])
             return
         kind = type(frame)
+        if len(body) != _FRAME_COUNTS[kind]:
+            message = f"{kind.__name__} takes {_FRAME_COUNTS[kind]} frames, got {len(body)}"
+            self._refuse(peer, frame.rid, "bad_request", message)
+            return
         if kind is StreamCredit:
-            st = self._find(peer, frame.rid)
-            if st is not None:
-                st.credits += frame.n
-                waiter = st.waiter
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(None)
+            self._credit(peer, frame)
         elif kind is StreamOpen:
-            self._open(peer, frame, frames[2] if len(frames) > 2 else b"")
+            self._open(peer, frame, body[1])
         elif kind is StreamCancel:
             st = self._find(peer, frame.rid)
             if st is not None and st.task is not None:
                 st.cancel_reply = ENCODER.encode(StreamEnd(st.rid))
                 st.task.cancel()
-        elif kind is Heartbeat:
-            self._send([peer, frames[1]])
+        else:  # Heartbeat
+            self._send([peer, body[0]])
+
+    def _rid_of(self, header: bytes) -> int:
+        """The stream id a header frame names (0 if it does not decode)."""
+        try:
+            return self._decode_frame(header).rid
+        except msgspec.DecodeError:
+            return 0
+
+    def _refuse(self, peer: bytes, rid: int, code: str, message: str) -> None:
+        """Answer a bad message with StreamError; it ends the stream it names, if open."""
+        log.warning("refusing a request-plane message from peer %r: %s", peer, message)
+        st = self._find(peer, rid)
+        if st is not None and st.task is not None:
+            st.cancel_reply = _error_frame(rid, code, message)
+            st.task.cancel()
+        else:
+            self._send([peer, _error_frame(rid, code, message)])
+
+    def _credit(self, peer: bytes, frame: StreamCredit) -> None:
+        st = self._find(peer, frame.rid)
+        if st is None:
+            return
+        if not 1 <= frame.n <= MAX_WINDOW:
+            self._refuse(peer, frame.rid, "bad_request", f"credit {frame.n} out of range")
+            return
+        st.credits += frame.n
+        waiter = st.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            peer = self._fd_peer.pop(event["value"], None)
+            if peer is not None:
+                self._last_seen.pop(peer, None)
+                if peer in self._peers:
+                    log.info("client %r disconnected: cancelling its streams", peer)
+                    self._drop_peer(peer)
 
     def _find(self, peer: bytes, rid: int) -> _Stream | None:
         streams = self._peers.get(peer)
@@ -231,8 +317,8 @@ class RequestServer:
             error = ("no_endpoint", f"endpoint {frame.endpoint} is not served here")
         elif self._num_streams >= self._max_streams:
             error = ("overloaded", f"worker already runs {self._max_streams} streams")
-        elif frame.window < 1:
-            error = ("bad_request", "credit window must be at least 1")
+        elif not 1 <= frame.window <= MAX_WINDOW:
+            error = ("bad_request", f"credit window must be in [1, {MAX_WINDOW}]")
         elif streams is not None and rid in streams:
             error = ("bad_request", f"stream id {rid} is already open")
         else:
@@ -309,16 +395,30 @@ class RequestServer:
                 st.task.cancel()
 
     async def _janitor(self) -> None:
-        """Cancel the streams of peers silent for longer than peer_timeout."""
+        """Cancel the streams of peers silent for longer than dead_after (and forget them)."""
         while True:
-            await asyncio.sleep(self._peer_timeout / 4)
-            deadline = time.monotonic() - self._peer_timeout
+            await asyncio.sleep(min(self._dead_after / 4, 5.0))
+            deadline = time.monotonic() - self._dead_after
             for peer in [p for p, seen in self._last_seen.items() if seen < deadline]:
                 del self._last_seen[peer]
                 if peer in self._peers:
                     log.warning(
                         "client %r silent for %.1fs: cancelling its streams",
                         peer,
-                        self._peer_timeout,
+                        self._dead_after,
                     )
                     self._drop_peer(peer)
+            live = set(self._last_seen)
+            for fd in [fd for fd, peer in self._fd_peer.items() if peer not in live]:
+                del self._fd_peer[fd]
+
+
+def set_heartbeats(sock: zmq.Socket, interval: float, dead_after: float) -> None:
+    """ZMTP heartbeats: ping every `interval`; drop the connection after `dead_after` silent.
+
+    They find a peer whose host vanished without closing TCP; a peer that is merely slow
+    (its process stopped, its loop busy) is not dropped before `dead_after`.
+    """
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(dead_after * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(dead_after * 1000)))

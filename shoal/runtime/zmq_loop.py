@@ -14,6 +14,7 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
+_SRCFD = int(zmq.SRCFD)
 
 
 class LoopSocket:
@@ -22,14 +23,33 @@ class LoopSocket:
     ZMQ's file descriptor is edge-triggered and any send or receive may consume its edge, so
     every drain reads while ZMQ_EVENTS says a message is waiting, and every send schedules one
     more drain in the same loop iteration. Sockets must have SNDHWM 0 (or never reach it):
-    flow control is the caller's job.
+    flow control is the caller's job. With `track_source`, `source_fd` holds the file
+    descriptor of the connection the message being handled came in on (a ROUTER uses it to
+    tell which peer a disconnect event is about).
     """
 
-    __slots__ = ("_drain_pending", "_fd", "_loop", "_on_frames", "_paused", "sock")
+    __slots__ = (
+        "_drain_pending",
+        "_fd",
+        "_loop",
+        "_on_frames",
+        "_paused",
+        "_track_source",
+        "sock",
+        "source_fd",
+    )
 
-    def __init__(self, sock: zmq.Socket, on_frames: Callable[[list[bytes]], None]) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        on_frames: Callable[[list[bytes]], None],
+        *,
+        track_source: bool = False,
+    ) -> None:
         self.sock = sock
         self._on_frames = on_frames
+        self._track_source = track_source
+        self.source_fd = -1
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._drain_pending = True
@@ -80,8 +100,14 @@ class LoopSocket:
         recv = sock.recv
         getsockopt = sock.getsockopt
         on_frames = self._on_frames
+        track = self._track_source
         while not (sock.closed or self._paused) and getsockopt(_EVENTS) & _POLLIN:
-            frames = [recv(_NOBLOCK)]
+            if track:
+                first = recv(_NOBLOCK, copy=False)
+                self.source_fd = first.get(_SRCFD)
+                frames = [first.bytes]
+            else:
+                frames = [recv(_NOBLOCK)]
             while getsockopt(_RCVMORE):
                 frames.append(recv(_NOBLOCK))
             try:

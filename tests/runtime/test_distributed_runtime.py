@@ -115,8 +115,8 @@ def test_hung_worker_leaving_discovery_fails_its_streams(tmp_path: Path) -> None
     async def main() -> None:
         proc, info = await spawn("serve", f"file://{tmp_path}", ENDPOINT, "1.0", "0.01")
         discovery = DirectoryDiscovery(tmp_path, poll_interval=0.05)
-        # heartbeats alone would take 30 s: only the discovery removal can end the stream
-        frontend = DistributedRuntime(discovery, heartbeat_timeout=30, removal_probe=0.3)
+        # silence alone would take 30 s: only the discovery removal can end the stream
+        frontend = DistributedRuntime(discovery, dead_after=30, removal_probe=0.3)
         try:
             client = await frontend.client(ENDPOINT, EngineOutput)
             (instance,) = await client.wait_for_instances(1, timeout=5)

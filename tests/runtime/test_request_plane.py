@@ -332,20 +332,34 @@ def test_worker_killed_mid_stream_raises_worker_lost_promptly() -> None:
     run(main())
 
 
-def test_hung_worker_fails_streams_after_heartbeat_timeout() -> None:
+def test_frozen_worker_keeps_its_streams_and_total_silence_ends_them() -> None:
     async def main() -> None:
         proc, info = await spawn("serve", "memory://", ENDPOINT, "10", "0.01")
-        client = RequestClient(heartbeat_interval=0.1, heartbeat_timeout=0.6)
+        client = RequestClient(heartbeat_interval=0.1)
+        try:
+            stream = client.stream(info["address"], ENDPOINT, request("h", 300), EngineOutput)
+            first = await anext(stream)
+            proc.send_signal(signal.SIGSTOP)  # alive, connected, silent: longer than 4 s
+            await asyncio.sleep(5.0)
+            proc.send_signal(signal.SIGCONT)
+            rest = [o async for o in stream]
+            assert [o.new_token_ids[0] for o in [first, *rest]] == list(range(300))
+        finally:
+            await reap(proc)
+            await client.close()
+
+        proc, info = await spawn("serve", "memory://", ENDPOINT, "10", "0.01")
+        client = RequestClient(heartbeat_interval=0.1, dead_after=0.8)
         try:
             stream = client.stream(info["address"], ENDPOINT, request("h", 100_000), EngineOutput)
             await anext(stream)
-            proc.send_signal(signal.SIGSTOP)  # alive, connected, but silent
+            proc.send_signal(signal.SIGSTOP)
             stopped = time.monotonic()
-            with pytest.raises(WorkerLostError, match="no reply"):
+            with pytest.raises(WorkerLostError):
                 async for _ in stream:
                     pass
             elapsed = time.monotonic() - stopped
-            assert 0.5 < elapsed < 2.0, elapsed
+            assert 0.6 < elapsed < 3.0, elapsed
         finally:
             await reap(proc)
             await client.close()
@@ -356,7 +370,7 @@ def test_hung_worker_fails_streams_after_heartbeat_timeout() -> None:
 def test_server_cancels_the_handler_of_a_killed_client() -> None:
     async def main() -> None:
         recorder = Recorder(first=1)
-        server = await serving(recorder, peer_timeout=0.5)
+        server = await serving(recorder)
         proc, _ = await spawn("client", server.address, ENDPOINT)
         try:
             assert recorder.started == 1 and recorder.running == 1
