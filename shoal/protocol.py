@@ -113,33 +113,55 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
-# KV events, in vLLM's layout so a router can follow shoal and vLLM workers alike.
+# KV events, in vLLM's wire layout (vllm/distributed/kv_events.py, v0.10/v0.11), so a router
+# can follow shoal workers and any engine that publishes vLLM-format events alike: msgpack,
+# each event an array tagged with its class name and its fields in vLLM's order, a batch the
+# array [ts, events, data_parallel_rank]. Field names are not on the wire. Decoding accepts
+# v0.9's events (no `medium`: GPU) and ignores fields later versions append at the end. On
+# the event plane a batch is the last frame of [topic, seq (8 bytes big-endian), payload], as
+# vLLM frames it; the publisher's address tells whose batch it is. Block hashes are the
+# engine's own (ints, or bytes in some vLLM versions): the router re-hashes each stored
+# block's token_ids with kv_hash and maps the engine's hashes to its own.
+
+EngineBlockHash = int | bytes
+MEDIUM_GPU = "GPU"  # the tier (`medium`) of blocks in GPU memory; CPU and disk tiers name theirs
 
 
-class BlockStored(msgspec.Struct, tag=True, kw_only=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+class KVCacheEvent(msgspec.Struct, array_like=True, tag=True, gc=False):
+    """Base of the KV events (tagged by class name, encoded as arrays)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks newly cached, chained after `parent_block_hash`; token_ids are theirs."""
+
+    block_hashes: list[EngineBlockHash]
+    parent_block_hash: EngineBlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
 
 
-class BlockRemoved(msgspec.Struct, tag=True, kw_only=True):
-    block_hashes: list[int]
+class BlockRemoved(KVCacheEvent):
+    """Blocks evicted from the cache tier `medium`."""
+
+    block_hashes: list[EngineBlockHash]
+    medium: str | None = MEDIUM_GPU
 
 
-class AllBlocksCleared(msgspec.Struct, tag=True):
-    pass
+class AllBlocksCleared(KVCacheEvent):
+    """Every cached block dropped (a prefix-cache reset)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, kw_only=True):
-    timestamp: float
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """The KV events of one or more engine steps, stamped with the wall-clock time."""
+
+    ts: float
     events: list[KVEvent]
-    seq: int = 0
-    worker_id: str = ""
+    data_parallel_rank: int | None = None
 
 
 class LoadReport(msgspec.Struct, kw_only=True):
@@ -161,7 +183,9 @@ class KVStateDump(msgspec.Struct, kw_only=True):
     """Every block a worker caches, as of the KV event batch numbered `seq`.
 
     A router replaces what it knew of the worker with `block_hashes`, then applies the
-    worker's batches numbered above `seq`.
+    worker's batches numbered above `seq` (-1 if the worker's numbers start at 0, as vLLM's
+    do, and none was sent). The hashes are kv_hash hashes: a worker that answers dumps hashes
+    its blocks with kv_hash, so they are both its engine's hashes and the router's keys.
     """
 
     worker_id: str

@@ -1,9 +1,11 @@
 """The KV-cache-aware router: send each request where its prefix is cached, without overload.
 
 It follows the workers of the generate endpoint. From each worker's event-plane publisher
-it applies KV event batches to an index of who caches which block, and load reports to its
-own load prediction. Batches are numbered per worker; a router that joins late or sees a
-gap in the numbers asks the worker for a full dump (KV_STATE_ENDPOINT), holds the batches
+it applies KV event batches (vLLM's layout) to an index of who caches which block, and load
+reports to its own load prediction. Each worker's KV batches come through a subscription of
+their own, so the publisher's address says whose they are (vLLM's batches name no worker).
+Batches are numbered per worker in the frame before them; a router that joins late or sees
+a gap in the numbers asks the worker for a full dump (KV_STATE_ENDPOINT), holds the batches
 that arrive meanwhile, then applies those numbered after the dump.
 
 Without KV events (`use_kv_events=False`) the index is approximate: it remembers where the
@@ -54,7 +56,7 @@ class AllWorkersBusy(Exception):
 class _Feed:
     """What the router follows of one worker's event stream."""
 
-    __slots__ = ("address", "pending", "record", "resync", "seq")
+    __slots__ = ("address", "pending", "reader", "record", "resync", "seq", "sub")
 
     def __init__(self, record: InstanceRecord) -> None:
         self.record = record
@@ -62,6 +64,16 @@ class _Feed:
         self.seq = 0  # last KV batch applied (or covered by a dump)
         self.resync: asyncio.Task | None = None  # a dump being fetched
         self.pending: list[tuple[int, KVEventBatch]] = []  # batches that arrived meanwhile
+        self.sub: EventSubscriber[KVEventBatch] | None = None  # this worker's KV batches
+        self.reader: asyncio.Task | None = None  # the task applying them
+
+    def stop(self) -> None:
+        """Stop following this worker's KV batches."""
+        for task in (self.resync, self.reader):
+            if task is not None:
+                task.cancel()
+        if self.sub is not None:
+            self.sub.close()
 
 
 class KvRouter(Policy):
@@ -86,7 +98,6 @@ class KvRouter(Policy):
         self._rng = random.Random(seed)
         self._feeds: dict[str, _Feed] = {}
         self._tasks: list[asyncio.Task] = []
-        self._kv_sub: EventSubscriber[KVEventBatch] | None = None
         self._load_sub: EventSubscriber[LoadReport] | None = None
 
     # ---- lifecycle
@@ -95,21 +106,17 @@ class KvRouter(Policy):
         """Follow the workers of `endpoint` and their event streams."""
         self._load_sub = EventSubscriber(LoadReport, [LOAD_TOPIC])
         self._tasks.append(asyncio.create_task(self._read_load(), name="kv-router load"))
-        if self.use_kv_events:
-            self._kv_sub = EventSubscriber(KVEventBatch, [KV_EVENTS_TOPIC])
-            self._tasks.append(asyncio.create_task(self._read_kv(), name="kv-router events"))
         endpoint.add_listener(self._on_instance)
 
     async def close(self) -> None:
         for feed in self._feeds.values():
-            if feed.resync is not None:
-                self._tasks.append(feed.resync)
+            feed.stop()
+            self._tasks.extend(t for t in (feed.resync, feed.reader) if t is not None)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for sub in (self._kv_sub, self._load_sub):
-            if sub is not None:
-                sub.close()
+        if self._load_sub is not None:
+            self._load_sub.close()
 
     def _on_instance(self, event) -> None:
         record: InstanceRecord = event.instance
@@ -125,20 +132,21 @@ class KvRouter(Policy):
                 log.warning("worker %s publishes no KV events or load", worker)
                 return
             self._load_sub.connect(feed.address)
-            if self._kv_sub is not None:
-                self._kv_sub.connect(feed.address)
+            if self.use_kv_events:
+                feed.sub = EventSubscriber(KVEventBatch, [KV_EVENTS_TOPIC])
+                feed.sub.connect(feed.address)
+                feed.reader = asyncio.create_task(
+                    self._read_kv(feed), name=f"kv-router events {worker}"
+                )
                 self._start_resync(feed, "start")
             return
         feed = self._feeds.pop(worker, None)
         if feed is None:
             return
-        if feed.resync is not None:
-            feed.resync.cancel()
+        feed.stop()
         if feed.address is not None:
-            for sub in (self._kv_sub, self._load_sub):
-                if sub is not None:
-                    with contextlib.suppress(Exception):
-                        sub.disconnect(feed.address)
+            with contextlib.suppress(Exception):
+                self._load_sub.disconnect(feed.address)
         self.indexer.remove_worker(worker)
         self.load.remove_worker(worker)
         log.info("worker %s left: dropped from the KV index", worker)
@@ -190,25 +198,22 @@ class KvRouter(Policy):
             if report.worker_id in self._feeds:
                 self.load.report(report)
 
-    async def _read_kv(self) -> None:
-        async for event in self._kv_sub:
-            feed = self._feeds.get(event.message.worker_id)
-            if feed is not None:
-                self._on_batch(feed, event.seq, event.message)
+    async def _read_kv(self, feed: _Feed) -> None:
+        async for event in feed.sub:
+            self._on_batch(feed, event.seq, event.message)
 
     def _on_batch(self, feed: _Feed, seq: int, batch: KVEventBatch) -> None:
+        worker = feed.record.instance_id
         if feed.resync is not None:
             feed.pending.append((seq, batch))
         elif seq <= feed.seq:
             return  # already covered by a dump
         elif seq != feed.seq + 1:
-            log.warning(
-                "worker %s: KV batch %d after %d; resyncing", batch.worker_id, seq, feed.seq
-            )
+            log.warning("worker %s: KV batch %d after %d; resyncing", worker, seq, feed.seq)
             self._start_resync(feed, "gap")
             feed.pending.append((seq, batch))
         else:
-            self.indexer.apply_batch(batch.worker_id, batch.events)
+            self.indexer.apply_batch(worker, batch.events)
             self.metrics.events_applied.inc(len(batch.events))
             feed.seq = seq
 

@@ -21,21 +21,20 @@ from shoal.runtime.event_plane import EventPublisher
 
 
 class KVPublisher:
+    """Publishes one worker's KV event batches (vLLM's layout and framing) and load reports."""
+
     def __init__(self, worker_id: str, host: str = "127.0.0.1") -> None:
         self.worker_id = worker_id
         self._publisher = EventPublisher(host)
         self.address = self._publisher.address
-        self.seq = 0  # sequence number of the last KV event batch sent
+        self.seq = 0  # the frame sequence number of the last KV event batch sent (from 1)
 
     def publish_events(self, engine: LLMEngine) -> None:
         """Send the KV events of the steps since the last call as one batch (if any)."""
         events = engine.take_kv_events()
         if events:
-            self.seq += 1  # this publisher's only source of KV batches: its frame seq agrees
-            batch = KVEventBatch(
-                timestamp=time.time(), events=events, seq=self.seq, worker_id=self.worker_id
-            )
-            self._publisher.publish(KV_EVENTS_TOPIC, batch)
+            batch = KVEventBatch(ts=time.time(), events=events)
+            self.seq = self._publisher.publish(KV_EVENTS_TOPIC, batch)
 
     def publish_load(self, engine: LLMEngine) -> None:
         self._publisher.publish(LOAD_TOPIC, load_report(self.worker_id, engine, time.time()))
