@@ -92,6 +92,11 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     lora_id: int | None = None
     arrival_time: float = 0.0
+    # A migrated request: the last `num_output_tokens_before` prompt tokens are this request's
+    # own earlier output. The engine samples as if it had drawn them (a seeded request's
+    # generator moves past their draws) and its penalties count them as output, while
+    # sampling.max_tokens and min_tokens count only the tokens still to come.
+    num_output_tokens_before: int = 0
 
 
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -34,7 +34,10 @@ class Request:
         lora_id: int | None = None,
         seed: int | None = None,
         leader: Request | None = None,
+        num_output_tokens_before: int = 0,
     ) -> None:
+        """num_output_tokens_before: the last tokens of the prompt that were this sequence's
+        own output before it migrated here (see EngineRequest)."""
         self.request_id = request_id
         self.output_id = output_id or request_id  # the id its outputs are reported under
         self.index = index
@@ -58,9 +61,13 @@ class Request:
             and not sampling.presence_penalty
             and not sampling.frequency_penalty
         )
+        self.num_output_tokens_before = num_output_tokens_before
         self.generator: torch.Generator | None = None
+        # draws of the generator that the earlier output used; the sampler skips them first
+        self.draws_to_skip = 0
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
+            self.draws_to_skip = 0 if sampling.greedy else num_output_tokens_before
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # tokens sampled by a step still running on the device (async scheduling): counted
@@ -91,7 +98,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
+        """Every output token, those generated before a migration included (penalties)."""
+        return self.all_token_ids[self.num_prompt_tokens - self.num_output_tokens_before :]
 
     @property
     def is_finished(self) -> bool:

@@ -126,12 +126,23 @@ class Sampler:
         for row, i in enumerate(random_rows):
             gen = requests[i].generator
             if gen is not None:
+                if requests[i].draws_to_skip:
+                    skip_draws(gen, requests[i].draws_to_skip, probs.shape[1])
+                    requests[i].draws_to_skip = 0
                 draw = torch.empty(probs.shape[1], pin_memory=q.is_cuda).exponential_(generator=gen)
                 q[row] = draw.to(q.device, non_blocking=True)
             else:
                 q[row].exponential_(generator=self.generator)
         greedy[idx] = (probs / q).argmax(dim=-1)
         return greedy
+
+
+def skip_draws(generator: torch.Generator, steps: int, vocab: int) -> None:
+    """Move a seeded request's generator past `steps` tokens' draws (one Exp(1) per vocab
+    entry each, as _sample draws them), so a migrated request continues its random stream."""
+    buffer = torch.empty(vocab)
+    for _ in range(steps):
+        buffer.exponential_(generator=generator)
 
 
 def filtered_probs(

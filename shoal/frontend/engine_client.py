@@ -13,7 +13,11 @@ from shoal.protocol import EngineOutput, EngineRequest, ModelCard
 
 
 class NoWorkerAvailable(Exception):
-    """No worker serves the model right now (HTTP 503)."""
+    """No worker serves a model the client knows right now (HTTP 503 with Retry-After)."""
+
+
+class QueueFull(NoWorkerAvailable):
+    """Every worker of the model stayed at its limit for the client's wait (HTTP 429)."""
 
 
 class WorkerFailed(Exception):
@@ -26,14 +30,19 @@ class WorkerFailed(Exception):
 
 class EngineClient(Protocol):
     def models(self) -> dict[str, ModelCard]:
-        """Served model name -> its card (tokenizer path, context length); cheap to call."""
+        """Known model name -> its card (tokenizer path, context length); cheap to call.
+
+        A model is known once a worker has served it, and stays known while it has none
+        (its requests then get NoWorkerAvailable); a model not in it answers 404.
+        """
         ...
 
     def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Stream the request's outputs (an async generator function).
 
-        Iterating raises NoWorkerAvailable if no worker serves `model` now, WorkerFailed if
-        the worker dies mid-request, ValueError if the worker rejects the request. Closing
-        the generator early (aclose) aborts the request in the engine.
+        Iterating raises NoWorkerAvailable if no worker serves `model` now (QueueFull if
+        every one is at its limit), WorkerFailed if the request's worker fails and it cannot
+        move to another, ValueError if the worker rejects the request. Closing the generator
+        early (aclose) aborts the request in the engine.
         """
         ...

@@ -73,12 +73,35 @@ def too_many_requests(limit: int) -> APIError:
     )
 
 
+RETRY_AFTER_S = 1  # the Retry-After a client gets while no worker can take its request
+
+
+class RetryLater(APIError):
+    """An APIError whose answer carries a Retry-After header (503, 429)."""
+
+    def response(self) -> Response:
+        answer = super().response()
+        answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return answer
+
+
 def no_worker(model: str) -> APIError:
-    return APIError(
+    """A model the frontend knows has no worker that can take a request now."""
+    return RetryLater(
         503,
         f"No worker is serving the model '{model}' right now",
         type="service_unavailable_error",
         code="no_worker_available",
+    )
+
+
+def queue_full(model: str) -> APIError:
+    """Every worker of the model stayed at its limit (shoal.frontend.engine_client.QueueFull)."""
+    return RetryLater(
+        429,
+        f"Every worker of the model '{model}' is at its limit; retry later",
+        type="rate_limit_error",
+        code="queue_full",
     )
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+import uuid
 from collections.abc import AsyncGenerator
 
 from shoal.frontend.engine_client import EngineClient, WorkerFailed
@@ -13,6 +15,14 @@ from shoal.protocol import EngineOutput, EngineRequest, SamplingParams, TokenLog
 from shoal.tokenizer import IncrementalDetokenizer
 
 _END = object()
+_FRONTEND = uuid.uuid4().hex[:8]  # this process's mark: two frontends' ids never meet
+_SERIAL = itertools.count()
+
+
+def engine_request_id(request_id: str) -> str:
+    """The engine's id for a request: unique by construction (this frontend's mark and a
+    serial number), whatever id the client or the API layer gave it."""
+    return f"{request_id}@{_FRONTEND}.{next(_SERIAL)}"
 
 
 def merge(streams: list[AsyncGenerator[EngineOutput, None]]) -> AsyncGenerator[EngineOutput, None]:
@@ -104,9 +114,10 @@ class RequestRun:
         self.metrics = metrics
         self.arrival = arrival
         now = time.time()
+        engine_id = engine_request_id(request_id)
         self.requests = [
             EngineRequest(
-                request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                request_id=engine_id if len(prompts) == 1 else f"{engine_id}-{i}",
                 prompt_token_ids=prompt,
                 sampling=params,
                 eos_token_ids=list(tok.eos_token_ids),

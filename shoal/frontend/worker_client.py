@@ -1,30 +1,59 @@
-"""EngineClient over the distributed runtime: route each request to a worker process."""
+"""EngineClient over the distributed runtime: route each request to a worker process, and
+move it to another worker (request migration) when its worker dies, breaks or stalls."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 
-from shoal.frontend.engine_client import NoWorkerAvailable, WorkerFailed
+import msgspec
+
+from shoal.frontend.engine_client import NoWorkerAvailable, QueueFull, WorkerFailed
 from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, ModelCard
 from shoal.router import make_router
 from shoal.router.kv_router import AllWorkersBusy
+from shoal.runtime.discovery.base import InstanceEvent
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
-from shoal.runtime.errors import OverloadedError, RemoteError, WorkerLostError
+from shoal.runtime.errors import BadRequestError, RuntimePlaneError
 
-LOST_WORKER_PAUSE = 30.0  # seconds a worker that dropped a stream gets no new requests
+log = logging.getLogger(__name__)
+
 BUSY_POLL = 0.02  # seconds between routing attempts while every worker is busy
+MIGRATION_LIMIT = 3  # Dynamo's --migration-limit default
+NEXT_TOKEN_TIMEOUT = 120.0  # seconds; generous, since a long prefill is legitimate
 _END = object()
+
+
+class NextTokenTimeout(Exception):
+    """A worker sent nothing for a request within the next-token deadline."""
+
+
+class _Leg:
+    """One engine request on one worker: every sequence of the client's request, or (after a
+    migration) one sequence continued from where it stopped."""
+
+    __slots__ = ("indices", "instance", "open", "reader", "request", "started")
+
+    def __init__(self, request: EngineRequest, indices: list[int], instance) -> None:
+        self.request = request
+        self.indices = indices  # the client's sequence index of the leg's sequence j
+        self.instance = instance
+        self.open = len(indices)  # sequences not finished yet
+        self.started = False  # an output arrived
+        self.reader: asyncio.Task | None = None
 
 
 class WorkerClient:
     """Follows the workers of the generate endpoint and streams requests to them.
 
     A worker that fails before sending anything is set aside and the request goes to another
-    one, so a crashed worker costs no request that had not started; one that fails mid-stream
-    ends that request with WorkerFailed.
+    one. One that fails mid-stream (lost, a stream ending without a finish, a handler error,
+    or nothing sent for `next_token_timeout` seconds) has its unfinished sequences moved to
+    another worker with the prompt plus the tokens they already produced, at most
+    `migration_limit` times per request; the caller's stream goes on without a gap.
 
     Each request-plane stream is read by a task of its own (a stream belongs to the task that
     reads it), so callers may read the outputs from any task; the bounded queue between them
@@ -37,78 +66,149 @@ class WorkerClient:
         mode: str = "round-robin",
         *,
         busy_wait: float = 5.0,
+        migration_limit: int = MIGRATION_LIMIT,
+        next_token_timeout: float = NEXT_TOKEN_TIMEOUT,
         **router_options,
     ) -> None:
         """mode and router_options: see shoal.router.make_router; busy_wait: seconds a
-        request waits while every worker is busy before NoWorkerAvailable (HTTP 503)."""
+        request waits while every worker is busy before QueueFull (HTTP 429);
+        migration_limit: migrations per request (0: none); next_token_timeout: seconds a
+        request waits for its worker's next output before it migrates."""
+        if migration_limit < 0:
+            raise ValueError(f"migration_limit must be non-negative (got {migration_limit})")
+        if next_token_timeout <= 0:
+            raise ValueError(f"next_token_timeout must be positive (got {next_token_timeout})")
         self.runtime = runtime
         self.policy = make_router(mode, runtime, **router_options)
         self.busy_wait = busy_wait
+        self.migration_limit = migration_limit
+        self.next_token_timeout = next_token_timeout
         self.endpoint: EndpointClient[EngineOutput] | None = None
-        self.lost: dict[str, float] = {}  # instance id -> when it failed
+        self.cards: dict[str, ModelCard] = {}  # every model a worker has served, by name
 
     async def start(self) -> WorkerClient:
         self.endpoint = await self.runtime.client(GENERATE_ENDPOINT, EngineOutput)
+        self.endpoint.add_listener(self._remember)
         await self.policy.start(self.endpoint)
         return self
 
     async def close(self) -> None:
         await self.policy.close()
 
-    def models(self) -> dict[str, ModelCard]:
-        return {i.card.model_name: i.card for i in self._healthy() if i.card}
+    def _remember(self, event: InstanceEvent) -> None:
+        card = event.instance.card
+        if event.kind == "added" and card is not None:
+            self.cards[card.model_name] = card
 
-    def _healthy(self):
-        now = time.monotonic()
-        return [
-            i
-            for i in self.endpoint.instances()
-            if now - self.lost.get(i.instance_id, -LOST_WORKER_PAUSE) >= LOST_WORKER_PAUSE
-        ]
+    def models(self) -> dict[str, ModelCard]:
+        """Every model some worker has served: one whose workers are all gone now is still
+        known, so its requests get 503 (NoWorkerAvailable) rather than 404."""
+        return dict(self.cards)
+
+    def live_models(self) -> list[str]:
+        """The models at least one registered worker serves now."""
+        return sorted({i.card.model_name for i in self.endpoint.instances() if i.card})
 
     async def generate(
         self, model: str, request: EngineRequest
     ) -> AsyncGenerator[EngineOutput, None]:
+        rid = request.request_id
+        tokens: list[list[int]] = [[] for _ in range(request.sampling.n)]
+        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        legs: set[_Leg] = set()
         tried: set[str] = set()
-        while True:
-            instance = await self._route(model, request, tried)
-            tried.add(instance.instance_id)
-            queue: asyncio.Queue = asyncio.Queue(maxsize=64)
-            reader = asyncio.create_task(self._read(instance, request, queue))
-            started = False
-            try:
-                while (out := await queue.get()) is not _END:
-                    if isinstance(out, Exception):
-                        raise out
-                    if out.error is not None:
-                        raise ValueError(out.error)
-                    if not started:
-                        started = True
-                        self.policy.first_token(request.request_id)
-                    yield out
-                return
-            except OverloadedError as e:
-                if started:
-                    raise WorkerFailed(str(e)) from e
-            except WorkerLostError as e:
-                self.lost[instance.instance_id] = time.monotonic()
-                if started:
-                    raise WorkerFailed(str(e)) from e
-            except RemoteError as e:
-                raise WorkerFailed(str(e)) from e
-            finally:
-                reader.cancel()  # the stream's reading task ends: the worker aborts the request
-                await asyncio.gather(reader, return_exceptions=True)
-                self.policy.finished(request.request_id)
+        finished: set[int] = set()  # the client's sequences that have finished
+        migrations = 0
+        yielded = False  # the caller has an output: failures end as WorkerFailed now
+        cached = 0  # the first worker's prefix-cache hit, reported for the whole request
+        try:
+            await self._open(model, request, list(range(len(tokens))), tried, queue, legs)
+            while legs:
+                leg, item = await queue.get()
+                if leg not in legs:
+                    continue  # a leg dropped already
+                if isinstance(item, EngineOutput):
+                    if item.error is not None:
+                        raise ValueError(item.error)
+                    if not leg.started:
+                        leg.started = True
+                        self.policy.first_token(leg.request.request_id)
+                    index = leg.indices[item.index]
+                    tokens[index] += item.new_token_ids
+                    if leg.request is request:
+                        cached = item.num_cached_tokens
+                    else:
+                        item.request_id, item.index, item.num_cached_tokens = rid, index, cached
+                        item.num_prompt_tokens = len(request.prompt_token_ids)
+                    if item.finished:
+                        leg.open -= 1
+                        finished.add(index)
+                    yielded = True
+                    yield item
+                    continue
+                await self._drop(leg, legs)
+                if item is _END and not leg.open:
+                    continue
+                error = item if item is not _END else WorkerFailed("the stream ended early")
+                tried.add(leg.instance.instance_id)
+                if not _movable(error):
+                    raise _failure(error)
+                fresh = not leg.started and leg.request is request
+                if not fresh:
+                    migrations += 1
+                    if migrations > self.migration_limit:
+                        raise WorkerFailed(
+                            f"{_reason(error)}; migration limit ({self.migration_limit}) reached"
+                        )
+                log.warning(
+                    "request %s: worker %s failed (%s); %s",
+                    rid,
+                    leg.instance.instance_id,
+                    _reason(error),
+                    "retrying" if fresh else f"migration {migrations}",
+                )
+                try:
+                    moved = _continuations(request, leg, tokens, finished, migrations, yielded)
+                    for new, indices in moved:
+                        await self._open(model, new, indices, tried, queue, legs)
+                except NoWorkerAvailable as e:
+                    if yielded:
+                        raise WorkerFailed(f"{_reason(error)}; {e}") from e
+                    raise
+        finally:
+            for leg in list(legs):
+                await self._drop(leg, legs)
+
+    async def _open(
+        self,
+        model: str,
+        request: EngineRequest,
+        indices: list[int],
+        tried: set[str],
+        queue: asyncio.Queue,
+        legs: set[_Leg],
+    ) -> None:
+        """Route `request` and start reading its stream as a new leg."""
+        instance = await self._route(model, request, tried)
+        leg = _Leg(request, indices, instance)
+        legs.add(leg)
+        leg.reader = asyncio.create_task(self._read(leg, queue))
+
+    async def _drop(self, leg: _Leg, legs: set[_Leg]) -> None:
+        """Stop a leg's reading task (the worker aborts what is left) and tell the policy."""
+        legs.discard(leg)
+        leg.reader.cancel()
+        await asyncio.gather(leg.reader, return_exceptions=True)
+        self.policy.finished(leg.request.request_id)
 
     async def _route(self, model: str, request: EngineRequest, tried: set[str]):
-        """The policy's pick among healthy untried workers of `model`, waiting while all
-        are busy (up to busy_wait)."""
+        """The policy's pick among the untried workers of `model`, waiting while all are
+        busy (up to busy_wait)."""
         deadline = time.monotonic() + self.busy_wait
         while True:
             instances = [
                 i
-                for i in self._healthy()
+                for i in self.endpoint.instances()
                 if i.card and i.card.model_name == model and i.instance_id not in tried
             ]
             if not instances:
@@ -117,14 +217,91 @@ class WorkerClient:
                 return self.policy.select(instances, request)
             except AllWorkersBusy as e:
                 if time.monotonic() >= deadline:
-                    raise NoWorkerAvailable(f"{e} for {self.busy_wait:g}s") from None
+                    raise QueueFull(f"{e} for {self.busy_wait:g}s") from None
             await asyncio.sleep(BUSY_POLL)
 
-    async def _read(self, instance, request: EngineRequest, queue: asyncio.Queue) -> None:
+    async def _read(self, leg: _Leg, queue: asyncio.Queue) -> None:
+        """Put each output of the leg's stream on `queue`, then _END or the error; waiting
+        for the queue does not count against the next-token deadline."""
+        loop = asyncio.get_running_loop()
+        limit = self.next_token_timeout
         try:
-            async with self.endpoint.generate(instance, request) as stream:
-                async for out in stream:
-                    await queue.put(out)
-            await queue.put(_END)
+            async with (
+                self.endpoint.generate(leg.instance, leg.request) as stream,
+                asyncio.timeout(None) as deadline,
+            ):
+                outputs = aiter(stream)
+                while True:
+                    deadline.reschedule(loop.time() + limit)
+                    try:
+                        out = await anext(outputs)
+                    except StopAsyncIteration:
+                        break
+                    deadline.reschedule(None)
+                    await queue.put((leg, out))
+            item = _END
+        except TimeoutError:
+            item = NextTokenTimeout(f"no output from the worker for {limit:g}s")
         except Exception as e:
-            await queue.put(e)
+            item = e
+        await queue.put((leg, item))
+
+
+def _continuations(
+    request: EngineRequest,
+    leg: _Leg,
+    tokens: list[list[int]],
+    finished: set[int],
+    migration: int,
+    yielded: bool,
+) -> list[tuple[EngineRequest, list[int]]]:
+    """The engine requests (with the client's sequence indices) that take over a failed
+    leg's unfinished sequences: the leg's own request if nothing of it arrived, else one
+    request per sequence continuing it."""
+    if not leg.started:
+        return [(leg.request, leg.indices)]
+    return [
+        (_continuation(request, i, tokens[i], migration, yielded), [i])
+        for i in leg.indices
+        if i not in finished
+    ]
+
+
+def _continuation(
+    request: EngineRequest, index: int, done: list[int], migration: int, yielded: bool
+) -> EngineRequest:
+    """Sequence `index` of `request` as a request of its own that goes on after `done`."""
+    sp = request.sampling
+    sampling = msgspec.structs.replace(
+        sp,
+        n=1,
+        seed=None if sp.seed is None else sp.seed + index,  # as the engine seeds sequence i
+        max_tokens=None if sp.max_tokens is None else sp.max_tokens - len(done),
+        min_tokens=max(0, sp.min_tokens - len(done)),
+        prompt_logprobs=None if yielded else sp.prompt_logprobs,  # sent with the first output
+    )
+    return msgspec.structs.replace(
+        request,
+        request_id=f"{request.request_id}~{migration}.{index}",
+        prompt_token_ids=request.prompt_token_ids + done,
+        sampling=sampling,
+        num_output_tokens_before=len(done),
+    )
+
+
+def _movable(error: BaseException) -> bool:
+    """Whether another worker may take over after `error` (the worker's fault, not the
+    request's)."""
+    if isinstance(error, BadRequestError):
+        return False
+    return isinstance(error, RuntimePlaneError | NextTokenTimeout | WorkerFailed)
+
+
+def _reason(error: BaseException) -> str:
+    return str(error) or type(error).__name__
+
+
+def _failure(error: BaseException) -> Exception:
+    if isinstance(error, WorkerFailed):
+        return error
+    return WorkerFailed(_reason(error))
