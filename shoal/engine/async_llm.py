@@ -3,11 +3,19 @@
 The engine steps in its own thread, so the event loop never waits on a model step and a
 step never waits on the network. Requests and aborts reach the thread through a queue;
 outputs come back to each request's asyncio queue.
+
+A failure never leaves a stream waiting: a request the engine refuses (or chokes on while
+adding it) fails alone; a step that raises fails the requests it held (they are aborted,
+their KV blocks freed) and the loop goes on; an error in `on_step` is logged. Only when the
+engine cannot step at all (MAX_STEP_FAILURES steps fail in a row, an abort raises, or the
+loop itself breaks) is the engine dead: every stream fails with EngineDeadError, every later
+call raises it, and `on_dead` tells the owner (a worker then deregisters and exits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +26,19 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import EngineOutput, EngineRequest
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+MAX_STEP_FAILURES = 5  # failed steps in a row (each aborting what it held) that mean dead
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error it could not contain; nothing more will run."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was in it; the request was aborted."""
 
 
 @dataclass
@@ -34,29 +54,47 @@ class AsyncLLM:
         self,
         engine: LLMEngine | EngineConfig,
         on_step: Callable[[LLMEngine], None] | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ):
         """Drive `engine` (or one built from a config) from a thread of its own.
 
         on_step, if given, runs in the engine thread after every step (events, metrics).
+        on_dead, if given, runs in the engine thread once, if the engine loop dies.
         """
         self.engine = LLMEngine(engine) if isinstance(engine, EngineConfig) else engine
         self.on_step = on_step
+        self.on_dead = on_dead
+        self.dead: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders commands against the loop's death
         self._streams: dict[str, _Stream] = {}
         self._closed = False
+        self._step_failures = 0
+        self._on_step_failures = 0
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """True while the engine loop runs (not shut down, not dead)."""
+        return self.dead is None and not self._closed
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream the request's outputs; closing the stream early (aclose) aborts the request."""
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
+        """Stream the request's outputs; closing the stream early (aclose) aborts the request.
+
+        Raises ValueError for a request the engine refuses (a request id already streaming
+        included), EngineStepError if a step failed with it, EngineDeadError if the engine
+        died.
+        """
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
-        self._streams[request.request_id] = stream
-        self._commands.put(("add", request))
+        self._streams[request_id] = stream
         done = False
         try:
+            self._submit(("add", request))
             while not done:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -68,21 +106,20 @@ class AsyncLLM:
                 yield item
         finally:
             if not done:
-                await self.abort(request.request_id)
-            self._streams.pop(request.request_id, None)
+                await self.abort(request_id)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once the engine has freed its KV blocks."""
         freed = asyncio.get_running_loop().create_future()
-        self._commands.put(("abort", request_id, freed))
-        await freed
+        if self._submit(("abort", request_id, freed), raise_if_dead=False):
+            await freed
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) in the engine thread between steps and return its result."""
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
         done = asyncio.get_running_loop().create_future()
-        self._commands.put(("call", fn, done))
+        self._submit(("call", fn, done))
         return await done
 
     def shutdown(self) -> None:
@@ -90,9 +127,29 @@ class AsyncLLM:
         self._commands.put(("stop",))
         self._thread.join(timeout=10)
 
+    def _submit(self, command: tuple, raise_if_dead: bool = True) -> bool:
+        """Queue a command for the engine thread; False (or EngineDeadError) if it is gone."""
+        with self._lock:
+            if self.dead is None and not self._closed:
+                self._commands.put(command)
+                return True
+        if not raise_if_dead:
+            return False
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead!r}") from self.dead
+        raise RuntimeError("the engine is shut down")
+
     # ---- the engine thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # whatever broke the loop kills the engine
+            self._die(exc)
+        else:
+            self._fail_streams(RuntimeError("the engine is shut down"))
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             block = not engine.has_unfinished_requests()
@@ -106,9 +163,42 @@ class AsyncLLM:
                 self._apply(command)
                 command = None if self._commands.empty() else self._commands.get()
             if engine.has_unfinished_requests():
-                self._deliver(engine.step())
-                if self.on_step is not None:
-                    self.on_step(engine)
+                self._step()
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            self._step_failed(exc)
+            return
+        self._step_failures = 0
+        self._deliver(outputs)
+        if self.on_step is not None:
+            try:
+                self.on_step(engine)
+            except Exception:
+                self._on_step_failures += 1
+                if self._on_step_failures == 1 or self._on_step_failures % 1000 == 0:
+                    log.exception("on_step failed (%d times)", self._on_step_failures)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Fail and abort every request the engine holds; dead if steps keep failing."""
+        self._step_failures += 1
+        held = list(self.engine.requests)
+        log.error(
+            "engine step failed (%d in a row); failing its %d requests: %r",
+            self._step_failures,
+            len(held),
+            exc,
+            exc_info=exc,
+        )
+        if self._step_failures >= MAX_STEP_FAILURES:
+            raise EngineDeadError(f"{self._step_failures} engine steps failed in a row") from exc
+        error = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for request_id in held:
+            self.engine.abort(request_id)  # raising here is fatal: the state is beyond repair
+            self._send(request_id, error)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
@@ -117,6 +207,10 @@ class AsyncLLM:
                 self.engine.add_request(request)
             except ValueError as e:
                 self._send(request.request_id, e)
+            except Exception as e:
+                log.warning("request %r refused: %r", request.request_id, e)
+                self.engine.abort(request.request_id)
+                self._send(request.request_id, ValueError(f"{type(e).__name__}: {e}"))
         elif command[0] == "abort":
             _, request_id, freed = command
             self.engine.abort(request_id)
@@ -127,6 +221,29 @@ class AsyncLLM:
                 _settle(done, fn(self.engine), None)
             except Exception as e:
                 _settle(done, None, e)
+
+    def _die(self, exc: BaseException) -> None:
+        """Mark the engine dead, fail every stream and pending command, tell the owner."""
+        log.critical("engine loop died: %r", exc, exc_info=exc)
+        with self._lock:
+            self.dead = exc
+        error = EngineDeadError(f"the engine loop died: {exc!r}")
+        self._fail_streams(error)
+        while not self._commands.empty():
+            command = self._commands.get()
+            if command[0] == "abort":
+                _settle(command[2], None, None)
+            elif command[0] == "call":
+                _settle(command[2], None, error)
+        if self.on_dead is not None:
+            try:
+                self.on_dead(exc)
+            except Exception:
+                log.exception("on_dead failed")
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._send(request_id, error)
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:

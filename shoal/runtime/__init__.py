@@ -16,10 +16,13 @@ from shoal.runtime.errors import (
     DiscoveryError,
     EndpointNotFoundError,
     HandlerError,
+    InstanceUnavailableError,
     NoInstancesError,
     OverloadedError,
     RemoteError,
     RuntimePlaneError,
+    StreamTimeoutError,
+    UnauthorizedError,
     WorkerLostError,
 )
 from shoal.runtime.event_plane import Event, EventPublisher, EventSubscriber
@@ -42,6 +45,7 @@ __all__ = [
     "Handler",
     "HandlerError",
     "InstanceEvent",
+    "InstanceUnavailableError",
     "MemoryDiscovery",
     "NoInstancesError",
     "OverloadedError",
@@ -51,6 +55,8 @@ __all__ = [
     "ResponseStream",
     "RuntimePlaneError",
     "ServedEndpoint",
+    "StreamTimeoutError",
+    "UnauthorizedError",
     "WorkerLostError",
     "make_discovery",
 ]

@@ -67,6 +67,14 @@ class UnauthorizedError(RemoteError):
     code = "unauthorized"
 
 
+class InstanceUnavailableError(RuntimePlaneError):
+    """Raised by a handler whose instance can serve nothing more (say, its engine died).
+
+    The server ends the stream as it does on shutdown, so the client sees WorkerLostError
+    and the request may move to another instance.
+    """
+
+
 class NoInstancesError(RuntimePlaneError):
     """No instance of an endpoint is known (or appeared in time)."""
 

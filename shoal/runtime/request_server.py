@@ -36,7 +36,7 @@ from shoal.protocol import (
 from shoal.runtime.addressing import EndpointAddress
 from shoal.runtime.auth import make_signer
 from shoal.runtime.codec import ENCODER, decoder
-from shoal.runtime.errors import SHUTDOWN_CODE
+from shoal.runtime.errors import SHUTDOWN_CODE, InstanceUnavailableError
 from shoal.runtime.zmq_loop import LoopSocket
 
 log = logging.getLogger(__name__)
@@ -347,6 +347,8 @@ class RequestServer:
             return await self._pump(st, request)
         except asyncio.CancelledError:
             return st.cancel_reply
+        except InstanceUnavailableError as exc:
+            return _error_frame(st.rid, SHUTDOWN_CODE, str(exc))
         except Exception as exc:
             log.warning("handler of %s failed", st.endpoint.name, exc_info=True)
             return _error_frame(st.rid, "handler", f"{type(exc).__name__}: {exc}")

@@ -1,8 +1,19 @@
-"""Prometheus metrics of one worker's engine, refreshed after every engine step."""
+"""Prometheus metrics of one worker's engine, its health endpoint, and its periodic stats line."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 
 from shoal.engine.llm_engine import LLMEngine
 
@@ -30,9 +41,11 @@ class WorkerMetrics:
         )
         self.preemptions = counter("shoal_worker_preemptions", "requests preempted")
         self._seen = (0, 0, 0)
+        self._server: ThreadingHTTPServer | None = None
 
     def update(self, engine: LLMEngine) -> None:
-        """Copy the engine's state (runs in the engine thread after each step)."""
+        """Copy the engine's state (in the engine thread: after each step, and periodically,
+        so that gauges are fresh after aborts on an idle engine too)."""
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.kv_usage.set(engine.kv.usage)
@@ -44,6 +57,88 @@ class WorkerMetrics:
         self.preemptions.inc(now[2] - self._seen[2])
         self._seen = now
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        """Expose /metrics over HTTP from a background thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(
+        self, port: int, host: str = "127.0.0.1", healthy: Callable[[], bool] = lambda: True
+    ) -> int:
+        """Serve /metrics and /health (200, or 503 once `healthy()` is false) from a thread.
+
+        Returns the port (useful with port 0).
+        """
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/health":
+                    ok = healthy()
+                    self._reply(200 if ok else 503, b"ok\n" if ok else b"engine dead\n")
+                elif path in ("/metrics", "/"):
+                    self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                else:
+                    self._reply(404, b"not found\n")
+
+            def _reply(self, status: int, body: bytes, kind: str = "text/plain") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                """Scrapes are not worth a log line each."""
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(
+            target=self._server.serve_forever, name="worker-metrics", daemon=True
+        ).start()
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class StatsLogger:
+    """The worker's periodic engine stats line, as vLLM logs it.
+
+    Count tokens with `count_prompt` / `count_generated` (event loop); `line(engine)` runs in
+    the engine thread and describes the interval since its last call.
+    """
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self._last = (time.monotonic(), 0, 0, 0, 0)
+        self._idle_logged = False
+
+    def count_prompt(self, n: int) -> None:
+        self.prompt_tokens += n
+
+    def count_generated(self, n: int) -> None:
+        self.generated_tokens += n
+
+    def line(self, engine: LLMEngine) -> str | None:
+        """The stats line for the interval, or None when idle and already said so."""
+        now = time.monotonic()
+        stats = engine.kv.stats
+        then, prompt, generated, queries, hits = self._last
+        self._last = (now, self.prompt_tokens, self.generated_tokens, stats.queries, stats.hits)
+        running, waiting = engine.num_running, engine.num_waiting
+        idle = not (running or waiting or self.prompt_tokens - prompt)
+        idle = idle and self.generated_tokens == generated
+        if idle and self._idle_logged:
+            return None
+        self._idle_logged = idle
+        elapsed = max(now - then, 1e-9)
+        looked_up = stats.queries - queries
+        hit_rate = 100.0 * (stats.hits - hits) / looked_up if looked_up else 0.0
+        return (
+            f"Avg prompt throughput: {(self.prompt_tokens - prompt) / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {(self.generated_tokens - generated) / elapsed:.1f} "
+            f"tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"GPU KV cache usage: {100.0 * engine.kv.usage:.1f}%, "
+            f"Prefix cache hit rate: {hit_rate:.1f}%"
+        )

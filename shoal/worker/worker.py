@@ -1,4 +1,8 @@
-"""Run one engine as a worker: serve `generate` over the request plane until SIGTERM."""
+"""Run one engine as a worker: serve `generate` over the request plane until SIGTERM.
+
+If the engine loop dies, the worker withdraws from discovery, fails its streams so that
+they can move to other workers, and exits non-zero (SystemExit with a one-line reason).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 
-from shoal.engine.async_llm import AsyncLLM
+from shoal.engine.async_llm import AsyncLLM, EngineDeadError
 from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import (
     GENERATE_ENDPOINT,
@@ -20,19 +24,52 @@ from shoal.protocol import (
     ModelCard,
 )
 from shoal.runtime.distributed import DistributedRuntime
+from shoal.runtime.errors import InstanceUnavailableError
 from shoal.worker.kv_publisher import KVPublisher
-from shoal.worker.metrics import WorkerMetrics
+from shoal.worker.metrics import StatsLogger, WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-LOAD_INTERVAL = 0.2  # seconds between load reports
+LOAD_INTERVAL = 0.2  # seconds between load reports (and metric refreshes)
+DEFAULT_STATS_INTERVAL = 10.0  # seconds between engine stats log lines
+MAX_N = 256  # sequences per request
+_INT64 = (-(2**63), 2**63 - 1)
+_UINT64_MAX = 2**64 - 1
+
+
+def check_request(request: EngineRequest, vocab_size: int) -> None:
+    """Raise ValueError naming the field of a request the engine could not run safely.
+
+    The request plane decodes any well-typed request; these are the values a well-typed
+    request can still carry that would make an engine step fail (not just this request).
+    """
+    sp = request.sampling
+    if sp.n > MAX_N:
+        raise ValueError(f"n must be at most {MAX_N} (got {sp.n})")
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(sp, field)
+        if value is not None and value > vocab_size:
+            raise ValueError(f"{field} must be at most the vocabulary size {vocab_size}")
+    if sp.seed is not None and not _INT64[0] <= sp.seed <= _UINT64_MAX - sp.n:
+        raise ValueError(f"seed must be a 64-bit integer (got {sp.seed})")
+    if request.lora_id is not None and not _INT64[0] <= request.lora_id <= _INT64[1]:
+        raise ValueError(f"lora_id must be a signed 64-bit integer (got {request.lora_id})")
 
 
 class Worker:
-    def __init__(self, engine: AsyncLLM, served_model_name: str, publisher: KVPublisher) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        publisher: KVPublisher,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.publisher = publisher
+        self.metrics = metrics
+        self.stats = StatsLogger()
         core = engine.engine
+        self.vocab_size = core.model_config.vocab_size
         self.card = ModelCard(
             model_name=served_model_name,
             tokenizer=str(core.config.tokenizer or core.model_dir),
@@ -42,10 +79,20 @@ class Worker:
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """The endpoint handler; a request the engine refuses ends with its error message."""
+        """The endpoint handler; a request the engine refuses ends with its error message.
+
+        A request whose engine step failed ends with an error too; if the engine died, the
+        stream ends as if the worker shut down, so the request can move elsewhere.
+        """
+        count = self.stats.count_generated
         try:
+            check_request(request, self.vocab_size)
+            self.stats.count_prompt(len(request.prompt_token_ids))
             async for out in self.engine.generate(request):
+                count(len(out.new_token_ids))
                 yield out
+        except EngineDeadError as e:
+            raise InstanceUnavailableError(str(e)) from e
         except ValueError as e:
             yield EngineOutput(request_id=request.request_id, finish_reason="error", error=str(e))
 
@@ -60,11 +107,24 @@ class Worker:
         )
         yield dump
 
+    def _tick(self, core: LLMEngine) -> None:
+        self.publisher.publish_load(core)
+        if self.metrics is not None:
+            self.metrics.update(core)
+
     async def report_load(self, interval: float = LOAD_INTERVAL) -> None:
-        """Publish the engine's load every `interval` seconds, busy or idle."""
+        """Publish the engine's load (and refresh the metrics) every `interval` s, busy or idle."""
         while True:
-            await self.engine.call(self.publisher.publish_load)
+            await self.engine.call(self._tick)
             await asyncio.sleep(interval)
+
+    async def log_stats(self, interval: float) -> None:
+        """Log the engine stats line every `interval` seconds (once while idle)."""
+        while True:
+            await asyncio.sleep(interval)
+            line = await self.engine.call(self.stats.line)
+            if line is not None:
+                log.info("%s", line)
 
 
 async def serve_worker(
@@ -75,26 +135,45 @@ async def serve_worker(
     port: int = 0,
     drain_timeout: float = 30.0,
     metrics_port: int | None = None,
+    *,
+    plane_secret: str | None = None,
+    dead_after: float | None = None,
+    stats_interval: float = DEFAULT_STATS_INTERVAL,
 ) -> None:
-    """Start the engine, register, serve until SIGTERM/SIGINT, then drain and exit."""
+    """Start the engine, register, serve until SIGTERM/SIGINT, then drain and exit.
+
+    plane_secret: shared secret of the request plane (None: off); dead_after: seconds of
+    total silence after which a peer counts as dead (None: the runtime's default, 60);
+    stats_interval: seconds between engine stats log lines (0: off). Raises SystemExit(1)
+    after withdrawing from discovery if the engine loop dies.
+    """
     loop = asyncio.get_running_loop()
     metrics = WorkerMetrics(served_model_name)
-    runtime = DistributedRuntime(discovery, host=host, port=port)
+    liveness = {} if dead_after is None else {"dead_after": dead_after}
+    runtime = DistributedRuntime(
+        discovery, host=host, port=port, plane_secret=plane_secret, **liveness
+    )
     publisher = KVPublisher(runtime.instance_id, host)
+    died = asyncio.Event()
 
     def on_step(core: LLMEngine) -> None:
         publisher.publish_events(core)
         metrics.update(core)
 
-    engine = AsyncLLM(await asyncio.to_thread(make_engine), on_step)
+    def on_dead(_exc: BaseException) -> None:
+        loop.call_soon_threadsafe(died.set)
+
+    engine = AsyncLLM(await asyncio.to_thread(make_engine), on_step, on_dead)
     metrics.update(engine.engine)
     if metrics_port is not None:
-        metrics.serve(metrics_port, host)
-    worker = Worker(engine, served_model_name, publisher)
+        metrics.serve(metrics_port, host, healthy=lambda: engine.alive)
+    worker = Worker(engine, served_model_name, publisher, metrics)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    reporter = asyncio.create_task(worker.report_load())
+    background = [asyncio.create_task(worker.report_load())]
+    if stats_interval > 0:
+        background.append(asyncio.create_task(worker.log_stats(stats_interval)))
     await runtime.serve_endpoint(KV_STATE_ENDPOINT, worker.kv_state, KVStateRequest)
     served = await runtime.serve_endpoint(
         GENERATE_ENDPOINT,
@@ -111,13 +190,25 @@ async def serve_worker(
         publisher.address,
     )
     try:
-        await stop.wait()
-        log.info("worker %s draining (up to %.0fs)", runtime.instance_id, drain_timeout)
-        await served.stop(drain_timeout)
+        stopped = asyncio.create_task(stop.wait())
+        dead = asyncio.create_task(died.wait())
+        await asyncio.wait((stopped, dead), return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        dead.cancel()
+        if not died.is_set():
+            log.info("worker %s draining (up to %.0fs)", runtime.instance_id, drain_timeout)
+            await served.stop(drain_timeout)
     finally:
-        reporter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reporter
+        for task in background:
+            task.cancel()
+        for task in background:
+            with contextlib.suppress(asyncio.CancelledError, EngineDeadError):
+                await task
         await runtime.close()
         engine.shutdown()
         publisher.close()
+        metrics.close()
+    if died.is_set():
+        reason = f"worker {runtime.instance_id}: engine loop died: {engine.dead!r}"
+        log.critical("%s; left discovery, exiting", reason)
+        raise SystemExit(reason)
