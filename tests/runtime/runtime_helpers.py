@@ -27,11 +27,20 @@ def run(coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+def spawn_env() -> dict[str, str]:
+    """The environment of a worker_proc.py subprocess (the repository on its path)."""
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def spawn_argv(*args: str) -> list[str]:
+    """The command line of worker_proc.py with `args`."""
+    return [sys.executable, str(WORKER), *args]
+
+
 async def spawn(*args: str, ready_timeout: float = 60.0) -> tuple[asyncio.subprocess.Process, dict]:
     """Start worker_proc.py with `args`; returns the process and its READY info."""
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(WORKER), *args, stdout=asyncio.subprocess.PIPE, env=env
+        *spawn_argv(*args), stdout=asyncio.subprocess.PIPE, env=spawn_env()
     )
     assert proc.stdout is not None
     try:

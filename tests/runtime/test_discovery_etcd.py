@@ -7,7 +7,16 @@ import base64
 import time
 
 import httpx
-from runtime_helpers import EtcdServer, reap, run, spawn, wait_until
+from runtime_helpers import (
+    EtcdServer,
+    etcd_binary,
+    reap,
+    run,
+    spawn,
+    spawn_argv,
+    spawn_env,
+    wait_until,
+)
 from test_discovery_local import ENDPOINT, Watcher, check_backend
 
 from shoal.protocol import EngineOutput, EngineRequest, SamplingParams
@@ -150,5 +159,32 @@ def test_runtime_over_etcd_streams_to_a_discovered_worker(etcd: EtcdServer) -> N
                 assert outs[-1].finish_reason == "length"
         finally:
             await reap(proc)
+
+    run(main())
+
+
+def test_worker_started_while_etcd_is_down_registers_when_it_comes_up(tmp_path) -> None:
+    async def main() -> None:
+        etcd = EtcdServer(etcd_binary(), tmp_path)  # not started yet
+        proc = await asyncio.create_subprocess_exec(
+            *spawn_argv("serve", etcd.discovery_url, ENDPOINT, "2", "0"),
+            stdout=asyncio.subprocess.PIPE,
+            env=spawn_env(),
+        )
+        other: EtcdDiscovery | None = None
+        try:
+            await asyncio.sleep(2.0)  # it retries meanwhile instead of exiting
+            assert proc.returncode is None
+            await asyncio.to_thread(etcd.start)
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 20)
+            assert line.startswith(b"READY ")
+            other = EtcdDiscovery(etcd.url)
+            assert len(await other.list(ENDPOINT)) == 1
+        finally:
+            await reap(proc)
+            if other is not None:
+                await other.close()
+            etcd.stop()
 
     run(main())

@@ -6,7 +6,9 @@ ttl/3. A crashed owner stops renewing and etcd deletes the key when the lease ex
 renewal finds the lease gone (etcd lost it, or this process was cut off for longer than the
 TTL) the task grants a new lease and puts the key again. Watches stream changes from the
 revision of an initial range read, and read again after any break, so a watcher that
-reconnects after an etcd restart reports what changed meanwhile.
+reconnects after an etcd restart reports what changed meanwhile. A registration made while
+etcd is unreachable (a worker started before etcd) is retried with backoff for up to
+`register_timeout` seconds before it fails.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import base64
 import contextlib
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -37,6 +40,8 @@ from shoal.runtime.errors import DiscoveryError
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "shoal/instances/"
+DEFAULT_REGISTER_TIMEOUT = 60.0
+MAX_BACKOFF = 5.0
 _ERRORS = (httpx.HTTPError, DiscoveryError, msgspec.DecodeError)
 
 
@@ -80,6 +85,7 @@ class EtcdDiscovery(Discovery):
         prefix: str = DEFAULT_PREFIX,
         timeout: float = 2.0,
         retry_interval: float = 0.25,
+        register_timeout: float = DEFAULT_REGISTER_TIMEOUT,
     ) -> None:
         self._urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not self._urls:
@@ -87,6 +93,7 @@ class EtcdDiscovery(Discovery):
         self._url_index = 0
         self.prefix = prefix
         self.retry_interval = retry_interval
+        self.register_timeout = register_timeout
         self._timeout = timeout
         self._http = httpx.AsyncClient(timeout=timeout)
         self._own: dict[str, _Registration] = {}
@@ -126,9 +133,38 @@ class EtcdDiscovery(Discovery):
         key = self._key(record)
         await self._release(key)
         reg = _Registration(key, msgspec.json.encode(record), max(1, math.ceil(ttl)))
-        await self._grant_and_put(reg)
+        await self._grant_and_put_retrying(reg)
         reg.task = asyncio.create_task(self._keep_alive(reg), name=f"etcd-keepalive {key}")
         self._own[key] = reg
+
+    async def _grant_and_put_retrying(self, reg: _Registration) -> None:
+        """_grant_and_put, retried with exponential backoff for up to register_timeout."""
+        deadline = time.monotonic() + self.register_timeout
+        delay = self.retry_interval
+        attempt = 1
+        while True:
+            try:
+                await self._grant_and_put(reg)
+                if attempt > 1:
+                    log.info("registered %s in etcd after %d attempts", reg.key, attempt)
+                return
+            except _ERRORS as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                delay = min(delay, left)
+                log.warning(
+                    "etcd unreachable for registering %s (attempt %d, retrying in %.1fs, "
+                    "%.0fs left): %s",
+                    reg.key,
+                    attempt,
+                    delay,
+                    left,
+                    exc,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_BACKOFF)
+                attempt += 1
 
     async def _keep_alive(self, reg: _Registration) -> None:
         while True:
