@@ -11,11 +11,48 @@ from shoal.frontend.errors import install_error_handlers
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.middleware import (
     ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
     ConcurrencyLimitMiddleware,
     MetricsMiddleware,
 )
-from shoal.frontend.protocol_openai import ChatCompletionRequest, CompletionRequest
-from shoal.frontend.serving import OpenAIServing, json_response
+from shoal.frontend.protocol_openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+)
+from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing, json_response
+
+# 16 MiB holds the longest context served today as text or token ids: a 1M-token prompt
+# is about 4 MB of text, or at most 8 MB as JSON token ids ("151642,"), with room for
+# JSON escapes; anything larger is refused before it is parsed.
+MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+
+def _error_responses(statuses: dict[int, str]) -> dict:
+    """OpenAPI `responses` for these statuses (status -> when), all in the error schema.
+
+    "default" covers the rest (500) and keeps FastAPI from documenting a 422 the server
+    never sends.
+    """
+    documented: dict = {
+        status: {"model": ErrorResponse, "description": why} for status, why in statuses.items()
+    }
+    documented["default"] = {"model": ErrorResponse, "description": "Any other error"}
+    return documented
+
+
+GENERATION_ERRORS = _error_responses(
+    {
+        400: "Invalid request: malformed JSON, a bad field (`param` names it), a prompt "
+        "that does not fit the context, too many prompts",
+        401: "Missing or wrong API key (when the server has one)",
+        404: "Unknown model",
+        413: "Request body over the size limit",
+        429: "Too many requests in flight",
+        502: "The worker failed mid-request",
+        503: "No worker serves the model right now",
+    }
+)
 
 
 def build_app(
@@ -24,26 +61,38 @@ def build_app(
     api_key: str | None = None,
     max_concurrency: int | None = None,
     registry: CollectorRegistry | None = None,
+    max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
+    max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
+    access_log: bool = False,
 ) -> FastAPI:
     """The app: /v1/chat/completions, /v1/completions, /v1/models, /health, /live, /metrics.
 
     api_key: require `Authorization: Bearer <api_key>` on /v1. max_concurrency: answer 429
     to a generation request arriving while that many are in flight. registry: where the
     app's metrics go (shared with the router's); /metrics serves all of it.
+    max_request_body_bytes: a larger body is answered 413 unread. max_prompts_per_request:
+    a completions request with more prompts is a 400. access_log: one `shoal.access` log
+    line per /v1 request.
     """
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1 (got {max_concurrency})")
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be positive (got {max_request_body_bytes})")
+    if max_prompts_per_request < 1:
+        raise ValueError(
+            f"max_prompts_per_request must be at least 1 (got {max_prompts_per_request})"
+        )
     metrics = FrontendMetrics(registry)
-    serving = OpenAIServing(client, metrics)
+    serving = OpenAIServing(client, metrics, max_prompts_per_request)
     app = FastAPI(title="shoal", summary="OpenAI-compatible LLM serving")
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
@@ -51,7 +100,7 @@ def build_app(
     async def models() -> Response:
         return json_response(serving.models())
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "No model is served"}})
     async def health() -> Response:
         served = sorted(client.models())
         if not served:
@@ -67,10 +116,11 @@ def build_app(
         text, content_type = metrics.render()
         return Response(text, media_type=content_type)
 
-    # The last added is the outermost: metrics see every answer, auth comes before the limit.
+    # The last added is the outermost: metrics see every answer, auth comes before the limits.
     if max_concurrency is not None:
         app.add_middleware(ConcurrencyLimitMiddleware, limit=max_concurrency)
+    app.add_middleware(BodySizeLimitMiddleware, limit=max_request_body_bytes)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, log_access=access_log)
     return app

@@ -6,13 +6,26 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
 T = TypeVar("T")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+_GONE = "client_gone"  # the key in the request's state (scope["state"])
 
 
 class ClientGone(Exception):
     """The client disconnected before the work finished; the work was cancelled."""
+
+
+def mark_client_gone(scope: Scope) -> None:
+    """Note in the request's state that its client left (metrics count it as 499)."""
+    scope.setdefault("state", {})[_GONE] = True
+
+
+def client_gone(state: dict) -> bool:
+    """Whether the request whose state this is lost its client before the answer ended."""
+    return state.get(_GONE, False)
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -60,6 +60,22 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def request_too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server's limit of {limit} bytes",
+        code="request_too_large",
+    )
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised while a body is read past the limit; FastAPI passes HTTPExceptions through."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413)
+        self.error = request_too_large(limit)
+
+
 def unauthorized() -> APIError:
     return APIError(401, "Incorrect or missing API key", code="invalid_api_key")
 
@@ -131,7 +147,11 @@ def _param(loc: tuple) -> str | None:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """The first validation problem as a 400 naming its field."""
+    """The first invalid field as a 400 naming it.
+
+    A union field fails once per member; the member that got deepest into the value is the
+    one the client meant (a list of content parts, not a string), so its problem is told.
+    """
     errors = exc.errors()
     if not errors:
         return bad_request("Invalid request")
@@ -140,7 +160,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         detail = (first.get("ctx") or {}).get("error", "")
         return bad_request(f"Invalid JSON body: {detail}".rstrip(": "))
     param = _param(tuple(first.get("loc", ())))
-    message = first.get("msg", "Invalid value")
+    same_field = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    deepest = max(same_field, key=lambda e: len(e.get("loc", ())))
+    message = deepest.get("msg", "Invalid value")
     return bad_request(f"{param or 'request body'}: {message}", param=param)
 
 
@@ -154,6 +176,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error(exc).response()
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc, BodyTooLarge):
+            return exc.error.response()
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return APIError(exc.status_code, str(exc.detail), type=kind).response()
 

@@ -85,7 +85,29 @@ def _render_chat(tok: ModelTokenizer, body: ChatCompletionRequest, messages: lis
     return text
 
 
-async def chat_prompt(tok: ModelTokenizer, body: ChatCompletionRequest) -> Prompt:
+def check_text_size(tok: ModelTokenizer, size: int, context: int, param: str) -> None:
+    """A 400 for a text of `size` characters that cannot fit the context, before tokenizing."""
+    limit = context * tok.max_token_chars
+    if size > limit:
+        raise bad_request(
+            f"The prompt has {size} characters; this model's context of {context} tokens holds "
+            f"at most {limit} (no token covers more than {tok.max_token_chars}). "
+            "Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def check_token_ids(tok: ModelTokenizer, token_ids: list[int], param: str) -> None:
+    """A 400 naming `param` when a token id is outside the vocabulary."""
+    if token_ids and max(token_ids) >= tok.vocab_size:
+        raise bad_request(
+            f"token id {max(token_ids)} is outside the vocabulary (size {tok.vocab_size})",
+            param=param,
+        )
+
+
+async def chat_prompt(tok: ModelTokenizer, body: ChatCompletionRequest, context: int) -> Prompt:
     """The rendered conversation's token ids (the template carries the special tokens)."""
     if body.continue_final_message and body.add_generation_prompt:
         raise bad_request(
@@ -95,13 +117,24 @@ async def chat_prompt(tok: ModelTokenizer, body: ChatCompletionRequest) -> Promp
         )
     messages = _template_messages(body)
     size = sum(len(m["content"]) for m in messages)
+    check_text_size(tok, size, context, "messages")
     text = await _cpu(size, _render_chat, tok, body, messages)
     token_ids = await _cpu(size, tok.text.encode, text, False)
     return Prompt(token_ids, text)
 
 
-async def completion_prompts(tok: ModelTokenizer, body: CompletionRequest) -> list[Prompt]:
-    """One Prompt per entry of `prompt` (strings are tokenized, token lists taken as they are)."""
+async def completion_prompts(
+    tok: ModelTokenizer, body: CompletionRequest, context: int
+) -> list[Prompt]:
+    """One Prompt per entry of `prompt` (strings are tokenized, token lists taken as they are).
+
+    Every text is checked against the context's character bound before any is tokenized.
+    """
+    for item in body.prompt:
+        if isinstance(item, str):
+            check_text_size(tok, len(item), context, "prompt")
+        else:
+            check_token_ids(tok, item, "prompt")
     prompts = []
     for item in body.prompt:
         if isinstance(item, str):
@@ -110,9 +143,16 @@ async def completion_prompts(tok: ModelTokenizer, body: CompletionRequest) -> li
                 raise bad_request("prompt encodes to no tokens", param="prompt")
             prompts.append(Prompt(ids, item))
         else:
-            text = tok.text.decode(item, body.skip_special_tokens) if body.echo else None
-            prompts.append(Prompt(list(item), text))
+            prompts.append(Prompt(list(item), None))
     return prompts
+
+
+def echo_texts(tok: ModelTokenizer, body: CompletionRequest, prompts: list[Prompt]) -> list[str]:
+    """Each prompt as text for `echo` (token-id prompts decoded; call after the context check)."""
+    return [
+        p.text if p.text is not None else tok.text.decode(p.token_ids, body.skip_special_tokens)
+        for p in prompts
+    ]
 
 
 def max_tokens_for(requested: int | None, prompt_len: int, context: int, param: str) -> int:
@@ -137,22 +177,29 @@ def max_tokens_for(requested: int | None, prompt_len: int, context: int, param: 
     return requested
 
 
-def check_common(body: SamplingFields) -> None:
+def check_common(body: SamplingFields, tok: ModelTokenizer) -> None:
     """Reject combinations and OpenAI features shoal does not serve, naming the field."""
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
+    check_token_ids(tok, body.stop_token_ids, "stop_token_ids")
 
 
-def check_chat(body: ChatCompletionRequest) -> None:
-    check_common(body)
+def check_chat(body: ChatCompletionRequest, tok: ModelTokenizer) -> None:
+    check_common(body, tok)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
 
-def check_completion(body: CompletionRequest) -> None:
-    check_common(body)
+def check_completion(body: CompletionRequest, tok: ModelTokenizer, max_prompts: int) -> None:
+    check_common(body, tok)
+    if len(body.prompt) > max_prompts:
+        raise bad_request(
+            f"The request has {len(body.prompt)} prompts; at most {max_prompts} are served "
+            "per request. Split it into several requests.",
+            param="prompt",
+        )
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:

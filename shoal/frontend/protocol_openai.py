@@ -1,17 +1,49 @@
 """Pydantic models of the OpenAI request bodies (validation only; responses are plain dicts).
 
 Field ranges follow SamplingParams, so a bad value is reported as a 400 naming its field
-before anything reaches an engine. Unknown fields are ignored, as vLLM does.
+before anything reaches an engine: integers stay within 64 bits, floats are finite, and
+text holds no lone UTF-16 surrogate (JSON can spell one; UTF-8 cannot carry it). Unknown
+fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+
+
+def _valid_unicode(text: str) -> str:
+    """The text, if UTF-8 can carry it (no lone surrogate); else a ValueError."""
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise ValueError("contains a lone UTF-16 surrogate (not valid Unicode)") from None
+    return text
+
+
+def _check_unicode(value: Any) -> None:
+    """Raise ValueError if any string (or dict key) inside `value` holds a lone surrogate."""
+    if isinstance(value, str):
+        _valid_unicode(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # below the vocabulary size: preprocess
 
 
 class StreamOptions(BaseModel):
@@ -21,25 +53,25 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by chat and completions: OpenAI's, then vLLM's extensions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str
+    model: Text
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
+    seed: Int64 | None = None
+    stop: list[Text] = Field(default_factory=list)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
@@ -63,8 +95,8 @@ class SamplingFields(BaseModel):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
@@ -72,28 +104,39 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _extra_unicode(self) -> ChatMessage:
+        _check_unicode(self.model_extra)
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_unicode(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        _check_unicode(value)
+        return value
+
 
 class CompletionRequest(SamplingFields):
-    prompt: list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: list[Text] | list[list[TokenId]]
+    max_tokens: Count | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: Count | None = None
     add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")
@@ -103,20 +146,30 @@ class CompletionRequest(SamplingFields):
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
-            return [value]
+            value = [value]
         if not isinstance(value, list) or not value:
             raise ValueError(
                 "must be a string, a list of strings, a list of token ids "
                 "or a list of token-id lists, and not empty"
             )
-        return value
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_items(cls, value: list) -> list:
         for item in value:
             if not item:
                 raise ValueError("must not contain an empty prompt")
-            if isinstance(item, list) and any(t < 0 for t in item):
-                raise ValueError("token ids must be non-negative")
+            if isinstance(item, list) and all(isinstance(t, int) for t in item):
+                low, high = min(item), max(item)
+                if low < 0 or high > INT64_MAX:
+                    raise ValueError(f"token id {low if low < 0 else high} is out of range")
         return value
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (for the OpenAPI document; errors.py builds it)."""
+
+    error: ErrorDetail

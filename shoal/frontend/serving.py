@@ -13,7 +13,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from shoal.frontend import preprocess
-from shoal.frontend.disconnect import ClientGone, until_disconnected
+from shoal.frontend.disconnect import CLIENT_CLOSED_REQUEST, ClientGone, until_disconnected
 from shoal.frontend.engine_client import EngineClient, NoWorkerAvailable, WorkerFailed
 from shoal.frontend.errors import bad_request, model_not_found, no_worker, worker_failed
 from shoal.frontend.generation import RequestRun
@@ -26,7 +26,7 @@ from shoal.protocol import ModelCard
 
 T = TypeVar("T")
 
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one completions request, by default
 
 
 def json_response(payload: dict, status: int = 200) -> Response:
@@ -47,9 +47,15 @@ def engine_errors(model: str) -> Iterator[None]:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, metrics: FrontendMetrics) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        metrics: FrontendMetrics,
+        max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
+    ) -> None:
         self.client = client
         self.metrics = metrics
+        self.max_prompts = max_prompts_per_request
         self.tokenizers = TokenizerPool()
         self.started = int(time.time())
 
@@ -68,8 +74,8 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         card, tok = await self._model(body.model, request)
-        preprocess.check_chat(body)
-        prompt = await preprocess.chat_prompt(tok, body)
+        preprocess.check_chat(body, tok)
+        prompt = await preprocess.chat_prompt(tok, body, card.context_length)
         max_tokens = preprocess.max_tokens_for(
             body.max_completion_tokens or body.max_tokens,
             len(prompt.token_ids),
@@ -101,8 +107,8 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         card, tok = await self._model(body.model, request)
-        preprocess.check_completion(body)
-        prompts = await preprocess.completion_prompts(tok, body)
+        preprocess.check_completion(body, tok, self.max_prompts)
+        prompts = await preprocess.completion_prompts(tok, body, card.context_length)
         longest = max(len(p.token_ids) for p in prompts)
         max_tokens = preprocess.max_tokens_for(
             body.max_tokens, longest, card.context_length, param="prompt"
@@ -113,7 +119,7 @@ class OpenAIServing:
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo else None,
         )
-        echo = [p.text or "" for p in prompts] if body.echo else None
+        echo = preprocess.echo_texts(tok, body, prompts) if body.echo else None
         run = RequestRun(
             self.client,
             body.model,
@@ -141,6 +147,7 @@ class OpenAIServing:
         whole: Callable[[], Awaitable[dict]],
     ) -> Response:
         """Stream events(include_usage) as SSE, or send the awaited whole response as JSON."""
+        request.state.run = run  # the access log reads its id and usage
         try:
             if body.stream:
                 await self._guarded(request, body.model, run.open())

@@ -13,7 +13,7 @@ import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from shoal.frontend.disconnect import ClientGone, until_disconnected
+from shoal.frontend.disconnect import ClientGone, mark_client_gone, until_disconnected
 from shoal.frontend.engine_client import WorkerFailed
 from shoal.frontend.errors import internal_error, worker_failed
 from shoal.frontend.generation import RequestRun
@@ -187,7 +187,7 @@ class SSEResponse(StreamingResponse):
         try:
             await until_disconnected(receive, stream())
         except (ClientGone, OSError):
-            pass
+            mark_client_gone(scope)
         finally:
             await self.events.aclose()
             await self.on_close()

@@ -51,11 +51,18 @@ def _eos_token_ids(tokenizer: TextTokenizer, folder: Path) -> list[int]:
 
 
 class ModelTokenizer:
-    """A model's TextTokenizer, its EOS ids, and each token's text and bytes for logprobs."""
+    """A model's TextTokenizer, its EOS ids, its vocabulary's bounds, and each token's text
+    and bytes for logprobs."""
 
     def __init__(self, path: str) -> None:
         self.text = TextTokenizer(path)
         self.eos_token_ids = _eos_token_ids(self.text, Path(path))
+        vocab = self.text.tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1  # token ids are below this
+        # No token covers more characters than its vocabulary entry is long (a byte-level or
+        # `<0xNN>` entry is as long as its bytes or longer), so a text of more than
+        # n * max_token_chars characters cannot encode to n tokens or fewer.
+        self.max_token_chars = max(map(len, vocab), default=1)
         self._byte_level = isinstance(self.text.tokenizer.decoder, decoders.ByteLevel)
         self._pieces: dict[int, tuple[str, list[int]]] = {}
 

@@ -52,7 +52,15 @@ class TextTokenizer:
         return None if token is None else self.tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """The text's token ids; the GIL is released while it works, so a thread may call it.
+
+        `Tokenizer.encode` holds the GIL for the whole text; the batch call does not, and its
+        fast form skips the character offsets nobody here reads.
+        """
+        (encoding,) = self.tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )
+        return encoding.ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

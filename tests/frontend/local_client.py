@@ -50,6 +50,11 @@ class LocalEngineClient:
             if not finished:
                 self.closed_early.add(rid)
 
+    def engine_ids(self, api_id: str) -> set[str]:
+        """The engine request ids the frontend made for API request `api_id`
+        (`<api id>@<frontend>.<serial>`: unique by construction)."""
+        return {rid for rid in self.requests if rid.split("@")[0] == api_id}
+
     def idle(self) -> bool:
         """No request left in the engine and every KV block free (read from another thread)."""
         core = self.llm.engine

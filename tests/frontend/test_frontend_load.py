@@ -42,7 +42,7 @@ def test_disconnect_mid_stream_aborts_the_engine_request(server, engine_client):
         closed_at = time.monotonic()
     assert engine_client.wait_idle(2.0)
     assert time.monotonic() - closed_at < 2.0  # the whole request would take several seconds
-    rid = first["id"]
+    (rid,) = engine_client.engine_ids(first["id"])
     assert rid in engine_client.closed_early
     assert engine_client.tokens[rid] < LONG
 

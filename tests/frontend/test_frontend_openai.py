@@ -157,7 +157,7 @@ def test_stop_string_ends_choice_without_leaking(client, engine_client):
     reply = complete(client, PROMPT, max_tokens=30, stop=[stop, "never appears"])
     assert reply.choices[0].text == cut
     assert reply.choices[0].finish_reason == "stop"
-    assert engine_client.closed_early & {reply.id}  # the engine was told to stop early
+    assert engine_client.closed_early & engine_client.engine_ids(reply.id)  # stopped early
     streamed = "".join(
         c.choices[0].text for c in complete(client, PROMPT, max_tokens=30, stop=stop, stream=True)
     )
