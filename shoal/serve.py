@@ -5,104 +5,226 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from typing import IO
 
-from shoal.engine.cli import add_engine_args, engine_options
+from shoal.engine.cli import add_engine_args, engine_argv
+from shoal.flags import Flag, FlagGroup, FlagParser, flag_argv
 from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontend
-from shoal.runtime.cli import add_runtime_args
-from shoal.worker.cli import add_engine_choice_args, engine_choice_argv
+from shoal.mocker.cli import MOCKER
+from shoal.runtime.cli import LOGGING, RUNTIME, setup_logging
+from shoal.worker.cli import ENGINE_CHOICE, MODEL_NAME, add_engine_choice_args
 
 log = logging.getLogger("shoal.serve")
 
+POLL_S = 0.5  # how often the workers are checked
+QUICK_EXIT_S = 30.0  # a worker that exits sooner than this after its start failed quickly
+MAX_BACKOFF_S = 30.0
+RELAY_WAIT_S = 2.0  # how long an exited worker's last stderr lines are waited for
+WORKER_ERROR = "shoal worker: error: "  # how a worker's one-line error starts
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "serve",
-        help="serve a model: HTTP frontend + engine workers on this machine",
-        description="Start the OpenAI-compatible frontend and --workers engine worker "
-        "processes, wired through local discovery. No outside services are needed.",
+SERVE = FlagGroup(
+    "serve",
+    (
+        Flag("workers", "engine worker processes", int, 1),
+        Flag(
+            "restart-workers",
+            "start a new worker in place of one that exits while serving (after a pause "
+            "that doubles, up to 30 s, while replacements keep failing quickly); "
+            "--no-restart-workers logs the exit and serves with the others",
+            kind="toggle",
+            default=True,
+        ),
+    ),
+    about="`shoal serve` runs the frontend in its own process and the workers as child "
+    "processes. When every worker exits before one has registered (a bad model path, a hub "
+    "id with no network), it exits with status 1 and one line saying why.",
+)
+
+
+def configure(parser: FlagParser) -> None:
+    """`shoal serve`."""
+    parser.description = (
+        "Start the OpenAI-compatible frontend and --workers engine worker "
+        "processes, wired through local discovery. No outside services are needed."
     )
-    add_engine_args(p)
-    add_engine_choice_args(p)
-    add_frontend_args(p)
-    add_runtime_args(p)
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=int(os.environ.get("SHOAL_WORKERS", "1")),
-        help="engine worker processes (default 1) [env SHOAL_WORKERS]",
-    )
-    p.add_argument(
-        "--served-model-name",
-        default=os.environ.get("SHOAL_SERVED_MODEL_NAME"),
-        help="model name clients ask for (default: --model) [env SHOAL_SERVED_MODEL_NAME]",
-    )
-    p.set_defaults(func=run_serve)
+    add_engine_args(parser)
+    add_engine_choice_args(parser)
+    parser.add_group(MODEL_NAME)
+    add_frontend_args(parser)
+    parser.add_group(SERVE)
+    parser.add_group(RUNTIME)
+    parser.add_group(LOGGING)
+    parser.set_defaults(func=run_serve)
 
 
 def worker_argv(args: argparse.Namespace, discovery: str) -> list[str]:
     """The `shoal worker` command line carrying this command's engine options."""
-    argv = [sys.executable, "-m", "shoal", "worker", "--model", args.model]
-    for name, value in engine_options(args).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else flag.replace("--", "--no-", 1))
-        else:
-            argv += [flag, str(value)]
-    argv += engine_choice_argv(args)
+    argv = [sys.executable, "-m", "shoal", "worker", *engine_argv(args)]
+    argv += flag_argv(args, ENGINE_CHOICE) + flag_argv(args, MOCKER)
     argv += ["--discovery", discovery, "--served-model-name", args.served_model_name or args.model]
-    return argv
+    return [*argv, "--log-level", args.log_level]
 
 
-async def _serve(args: argparse.Namespace, discovery: str, workers: list[subprocess.Popen]):
-    watcher = asyncio.create_task(_watch_workers(workers))
+class _Slot:
+    """One worker place: its process, the one-line error it printed, its restart pacing."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.quick_exits = 0  # consecutive exits within QUICK_EXIT_S of a start
+        self.start()
+
+    def start(self) -> None:
+        """Start a worker process in this place, its stderr relayed through this one."""
+        self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE)
+        self.started_at = time.monotonic()
+        self.restart_at: float | None = None  # when the next replacement starts
+        self.reported = False  # its exit has been logged
+        self.reason: str | None = None  # the worker's one-line error, if it printed one
+        self.relay = threading.Thread(target=self._relay, args=(self.proc.stderr,), daemon=True)
+        self.relay.start()
+
+    def _relay(self, stream: IO[bytes]) -> None:
+        """Pass the worker's stderr on, keeping its one-line error back as `reason`."""
+        with stream:
+            for line in stream:
+                text = line.decode(errors="replace")
+                if text.startswith(WORKER_ERROR):
+                    self.reason = text.removeprefix(WORKER_ERROR).strip()
+                else:
+                    sys.stderr.write(text)
+                    sys.stderr.flush()
+
+    async def exited(self) -> bool:
+        """Whether the process has exited (and its stderr has been read to the end)."""
+        if self.proc.poll() is None:
+            return False
+        await asyncio.to_thread(self.relay.join, RELAY_WAIT_S)
+        return True
+
+
+class WorkerPool:
+    """serve's worker processes: started together, watched, replaced (or reported) when
+    they exit; `error` says why serving cannot go on."""
+
+    def __init__(self, argv: list[str], count: int, restart: bool) -> None:
+        self.restart = restart
+        self.slots = [_Slot(argv) for _ in range(count)]
+        self.error: str | None = None
+
+    async def watch(self, discovery: str, failed: asyncio.Event) -> None:
+        """Until cancelled: fail if every worker exits before one registers; afterwards
+        restart or report each worker that exits."""
+        from shoal.protocol import GENERATE_ENDPOINT
+        from shoal.runtime.discovery import make_discovery
+
+        registry = make_discovery(discovery)
+        registered = False
+        try:
+            while True:
+                await asyncio.sleep(POLL_S)
+                if not registered:
+                    registered = bool(await registry.list(GENERATE_ENDPOINT))
+                exited = [s for s in self.slots if await s.exited()]
+                if not registered and len(exited) == len(self.slots):
+                    self.error = _start_failure(exited)
+                    failed.set()
+                    return
+                if registered:
+                    for slot in exited:
+                        await self._handle_exit(slot)
+        finally:
+            await registry.close()
+
+    async def _handle_exit(self, slot: _Slot) -> None:
+        """Report a worker's exit once; with restarts on, replace it when its pause is over."""
+        now = time.monotonic()
+        if not slot.reported:
+            slot.reported = True
+            why = f" ({slot.reason})" if slot.reason else ""
+            code = slot.proc.returncode
+            if not self.restart:
+                log.warning("worker pid %d exited with code %d%s", slot.proc.pid, code, why)
+                return
+            quick = now - slot.started_at < QUICK_EXIT_S
+            slot.quick_exits = slot.quick_exits + 1 if quick else 0
+            delay = min(MAX_BACKOFF_S, 2.0 ** (slot.quick_exits - 1)) if quick else 0.0
+            slot.restart_at = now + delay
+            log.warning(
+                "worker pid %d exited with code %d%s; starting a new one in %.0f s",
+                slot.proc.pid,
+                code,
+                why,
+                delay,
+            )
+        if slot.restart_at is not None and now >= slot.restart_at:
+            await asyncio.to_thread(slot.start)
+            log.info("started worker pid %d", slot.proc.pid)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM every worker, wait up to `timeout` s each, then kill what is left."""
+        for slot in self.slots:
+            if slot.proc.poll() is None:
+                slot.proc.send_signal(signal.SIGTERM)
+        for slot in self.slots:
+            try:
+                slot.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                slot.proc.kill()
+                slot.proc.wait()
+
+
+def _start_failure(exited: list[_Slot]) -> str:
+    """Why no worker started: the workers' own one-line errors, else their exit codes."""
+    reasons = sorted({s.reason for s in exited if s.reason})
+    if reasons:
+        return "no worker started: " + "; ".join(reasons)
+    codes = ", ".join(map(str, sorted({s.proc.returncode for s in exited})))
+    return f"no worker started: all {len(exited)} exited during start-up (exit code {codes})"
+
+
+async def _serve(args: argparse.Namespace, discovery: str, pool: WorkerPool) -> None:
+    failed = asyncio.Event()
+    watcher = asyncio.create_task(pool.watch(discovery, failed))
     try:
-        await serve_frontend(args, discovery)
+        await serve_frontend(args, discovery, stop=failed)
     finally:
         watcher.cancel()
 
 
-async def _watch_workers(workers: list[subprocess.Popen]) -> None:
-    """Reap workers that exit on their own and say so; the others keep serving."""
-    running = list(workers)
-    while running:
-        await asyncio.sleep(1.0)
-        for proc in [p for p in running if p.poll() is not None]:
-            log.warning("worker pid %d exited with code %d", proc.pid, proc.returncode)
-            running.remove(proc)
-
-
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    """Serve until SIGTERM; exit 1 with one line when no worker can start."""
+    setup_logging(args)
     if args.workers < 1:
-        raise SystemExit(f"--workers must be at least 1 (got {args.workers})")
+        print(
+            f"shoal serve: error: --workers must be at least 1 (got {args.workers})",
+            file=sys.stderr,
+        )
+        return 2
     folder = None if args.discovery else tempfile.mkdtemp(prefix="shoal-discovery-")
     discovery = args.discovery or f"file://{folder}"
-    workers = [subprocess.Popen(worker_argv(args, discovery)) for _ in range(args.workers)]
+    pool = WorkerPool(worker_argv(args, discovery), args.workers, args.restart_workers)
     log.info(
         "started %d worker(s) for %s; frontend on http://%s:%d",
-        len(workers),
+        args.workers,
         args.model,
         args.host,
         args.port,
     )
     exit_on_sigterm()
     try:
-        asyncio.run(_serve(args, discovery, workers))
+        asyncio.run(_serve(args, discovery, pool))
     finally:
-        for proc in workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in workers:
-            try:
-                proc.wait(timeout=args.shutdown_timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        pool.stop(args.shutdown_timeout)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+    if pool.error:
+        print(f"shoal serve: error: {pool.error}", file=sys.stderr)
+        return 1
     return 0

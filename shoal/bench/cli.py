@@ -72,18 +72,19 @@ metrics:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `shoal bench` (run, compare, plot) to the `shoal` command."""
-    bench = subparsers.add_parser(
-        "bench",
-        help="load-test an OpenAI-compatible endpoint (TTFT, ITL, throughput, goodput)",
-        description=(
-            "Load generator for OpenAI-compatible streaming endpoints (shoal, vLLM, any other). "
-            "`run` sends a workload under a load shape and reports per-request latencies and "
-            "aggregates; `compare` puts two result files side by side; `plot` redraws plots."
-        ),
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    """Add `shoal bench` (run, compare, plot) to a `shoal` parser's subcommands."""
+    configure(subparsers.add_parser("bench"))
+
+
+def configure(bench: argparse.ArgumentParser) -> None:
+    """`shoal bench`: its actions run, compare and plot."""
+    bench.description = (
+        "Load generator for OpenAI-compatible streaming endpoints (shoal, vLLM, any other). "
+        "`run` sends a workload under a load shape and reports per-request latencies and "
+        "aggregates; `compare` puts two result files side by side; `plot` redraws plots."
     )
+    bench.epilog = EXAMPLES
+    bench.formatter_class = argparse.RawDescriptionHelpFormatter
     actions = bench.add_subparsers(dest="bench_action", metavar="ACTION", required=True)
     run = actions.add_parser(
         "run",

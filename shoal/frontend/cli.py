@@ -5,62 +5,48 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 
-from shoal.router.cli import add_router_args, router_options
-from shoal.runtime.cli import add_runtime_args
+from shoal.flags import Flag, FlagGroup, FlagParser
+from shoal.router.cli import ROUTER, router_options
+from shoal.runtime.cli import LOGGING, RUNTIME, setup_logging
+
+FRONTEND = FlagGroup(
+    "frontend",
+    (
+        Flag("host", "HTTP address to listen on", default="127.0.0.1"),
+        Flag("port", "HTTP port", int, 8000),
+        Flag("api-key", "require 'Authorization: Bearer KEY' on /v1", shown_default="no auth"),
+        Flag(
+            "max-concurrency",
+            "answer 429 beyond this many requests in flight",
+            int,
+            shown_default="no limit",
+        ),
+        Flag(
+            "shutdown-timeout", "seconds in-flight requests get to finish on SIGTERM", float, 30.0
+        ),
+    ),
+    about="The OpenAI-compatible HTTP server ([serving.md](serving.md)).",
+)
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name, default)
+def add_frontend_args(parser: FlagParser) -> None:
+    """The frontend's groups: HTTP server and routing."""
+    parser.add_group(FRONTEND)
+    parser.add_group(ROUTER)
 
 
-def add_frontend_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("frontend")
-    group.add_argument(
-        "--host",
-        default=_env("SHOAL_HOST", "127.0.0.1"),
-        help="HTTP address to listen on (default 127.0.0.1) [env SHOAL_HOST]",
+def configure(parser: FlagParser) -> None:
+    """`shoal frontend`."""
+    parser.description = (
+        "Serve the OpenAI API and route requests to the workers found through "
+        "discovery. Workers may join and leave while it runs."
     )
-    group.add_argument(
-        "--port",
-        type=int,
-        default=int(_env("SHOAL_PORT", "8000")),
-        help="HTTP port (default 8000) [env SHOAL_PORT]",
-    )
-    group.add_argument(
-        "--api-key",
-        default=_env("SHOAL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 [env SHOAL_API_KEY]",
-    )
-    group.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=int(_env("SHOAL_MAX_CONCURRENCY", "0")) or None,
-        help="answer 429 beyond this many requests in flight (default: no limit) "
-        "[env SHOAL_MAX_CONCURRENCY]",
-    )
-    group.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=float(_env("SHOAL_SHUTDOWN_TIMEOUT", "30")),
-        help="seconds in-flight requests get to finish on SIGTERM (default 30) "
-        "[env SHOAL_SHUTDOWN_TIMEOUT]",
-    )
-    add_router_args(parser)
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "frontend",
-        help="run the OpenAI-compatible HTTP frontend",
-        description="Serve the OpenAI API and route requests to the workers found through "
-        "discovery. Workers may join and leave while it runs.",
-    )
-    add_frontend_args(p)
-    add_runtime_args(p)
-    p.set_defaults(func=run_frontend_command)
+    add_frontend_args(parser)
+    parser.add_group(RUNTIME)
+    parser.add_group(LOGGING)
+    parser.set_defaults(func=run_frontend_command)
 
 
 def exit_on_sigterm() -> None:
@@ -77,7 +63,8 @@ def exit_on_sigterm() -> None:
 
 
 def run_frontend_command(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    """Run the frontend until SIGTERM."""
+    setup_logging(args)
     if not args.discovery:
         raise SystemExit("--discovery is required for a standalone frontend (or use `shoal serve`)")
     exit_on_sigterm()
@@ -85,8 +72,11 @@ def run_frontend_command(args: argparse.Namespace) -> int:
     return 0
 
 
-async def serve_frontend(args: argparse.Namespace, discovery: str) -> None:
-    """Run the HTTP server until SIGTERM/SIGINT, then drain in-flight requests and stop."""
+async def serve_frontend(
+    args: argparse.Namespace, discovery: str, stop: asyncio.Event | None = None
+) -> None:
+    """Run the HTTP server until SIGTERM/SIGINT (or `stop` is set), then drain in-flight
+    requests and stop."""
     import uvicorn
     from prometheus_client import CollectorRegistry
 
@@ -98,12 +88,13 @@ async def serve_frontend(args: argparse.Namespace, discovery: str) -> None:
     registry = CollectorRegistry()
     runtime = DistributedRuntime(discovery)
     client = None
+    watcher = None
     try:
         client = await WorkerClient(runtime, registry=registry, **options).start()
         app = build_app(
             client,
             api_key=args.api_key,
-            max_concurrency=args.max_concurrency,
+            max_concurrency=args.max_concurrency or None,  # 0: no limit
             registry=registry,
         )
         config = uvicorn.Config(
@@ -115,8 +106,17 @@ async def serve_frontend(args: argparse.Namespace, discovery: str) -> None:
         )
         server = uvicorn.Server(config)
         logging.getLogger(__name__).info("frontend on http://%s:%d", args.host, args.port)
+        if stop is not None:
+            watcher = asyncio.create_task(_exit_when_set(server, stop))
         await server.serve()
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if client is not None:
             await client.close()
         await runtime.close()
+
+
+async def _exit_when_set(server, stop: asyncio.Event) -> None:
+    await stop.wait()
+    server.should_exit = True

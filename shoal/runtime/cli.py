@@ -3,15 +3,39 @@
 from __future__ import annotations
 
 import argparse
-import os
+import logging
+
+from shoal.flags import Flag, FlagGroup
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+RUNTIME = FlagGroup(
+    "runtime",
+    (
+        Flag(
+            "discovery",
+            "discovery backend: file:///dir (processes of one host), etcd://host:port (many hosts)",
+            metavar="URL",
+            shown_default="`shoal serve`: a private file:// folder; others: required",
+        ),
+    ),
+    about="How the processes of a deployment find each other ([runtime.md](runtime.md)).",
+)
+LOGGING = FlagGroup(
+    "logging",
+    (
+        Flag(
+            "log-level",
+            "how much the process logs",
+            type=str.lower,
+            default="info",
+            choices=LOG_LEVELS,
+        ),
+    ),
+    about="Every server process logs to stderr.",
+)
 
 
-def add_runtime_args(parser: argparse.ArgumentParser) -> None:
-    """--discovery, shared by every process of a deployment."""
-    parser.add_argument(
-        "--discovery",
-        default=os.environ.get("SHOAL_DISCOVERY"),
-        help="discovery backend: file:///dir (processes of one host), etcd://host:port "
-        "(many hosts); `shoal serve` makes a private file:// one when unset "
-        "[env SHOAL_DISCOVERY]",
-    )
+def setup_logging(args: argparse.Namespace) -> None:
+    """Log to stderr at --log-level."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")

@@ -6,98 +6,151 @@ import argparse
 import asyncio
 import functools
 import logging
-import os
+import socket
+import sys
 
 from shoal.engine.cli import add_engine_args, engine_options
-from shoal.mocker.cli import add_mocker_args, mocker_argv, mocker_options
-from shoal.runtime.cli import add_runtime_args
+from shoal.flags import Flag, FlagGroup, FlagParser
+from shoal.mocker.cli import MOCKER, mocker_options
+from shoal.runtime.cli import LOGGING, RUNTIME, setup_logging
 
 ENGINES = ("shoal", "mocker")
+ANY_ADDRESS = ("0.0.0.0", "*", "::", "")
+
+ENGINE_CHOICE = FlagGroup(
+    "engine choice",
+    (
+        Flag(
+            "engine",
+            "shoal: the model on a GPU (or CPU); mocker: the real scheduler and KV cache "
+            "with a timing model instead of the model, see mocker.md",
+            default="shoal",
+            choices=ENGINES,
+        ),
+    ),
+    about="Which engine a worker runs.",
+)
+MODEL_NAME = FlagGroup(
+    "model name",
+    (Flag("served-model-name", "model name clients ask for", shown_default="--model"),),
+    about="The name under which workers register the model.",
+)
+WORKER = FlagGroup(
+    "worker",
+    (
+        Flag(
+            "host",
+            "address the request plane and the KV event publisher bind",
+            default="127.0.0.1",
+            env="SHOAL_WORKER_HOST",
+        ),
+        Flag(
+            "advertise-host",
+            "address other hosts dial to reach this worker",
+            shown_default="--host, or this machine's primary address when --host binds "
+            "every interface (0.0.0.0)",
+        ),
+        Flag("drain-timeout", "seconds in-flight requests get to finish on SIGTERM", float, 30.0),
+        Flag(
+            "metrics-port",
+            "serve Prometheus /metrics of this worker on this port",
+            int,
+            shown_default="off",
+        ),
+    ),
+    about="A standalone engine worker's process options.",
+)
 
 
-def add_engine_choice_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_choice_args(parser: FlagParser) -> None:
     """--engine, and the mocker's flags that go with it."""
-    default = os.environ.get("SHOAL_ENGINE", "shoal")
-    if default not in ENGINES:
-        raise SystemExit(f"SHOAL_ENGINE={default!r}: expected one of {', '.join(ENGINES)}")
-    parser.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default=default,
-        help="shoal: the model on a GPU (or CPU); mocker: the real scheduler and KV cache "
-        "with a timing model instead of the model, see docs/mocker.md (default shoal) "
-        "[env SHOAL_ENGINE]",
-    )
-    add_mocker_args(parser)
+    parser.add_group(ENGINE_CHOICE)
+    parser.add_group(MOCKER)
 
 
-def engine_choice_argv(args: argparse.Namespace) -> list[str]:
-    """--engine and the mocker flags given, as command-line words for a `shoal worker`."""
-    return ["--engine", args.engine, *mocker_argv(args)]
+def configure(parser: FlagParser) -> None:
+    """`shoal worker`."""
+    parser.description = (
+        "Run an engine worker that registers in discovery and serves requests "
+        "routed by `shoal frontend`. SIGTERM unregisters, drains in-flight requests, exits."
+    )
+    add_engine_args(parser)
+    add_engine_choice_args(parser)
+    parser.add_group(MODEL_NAME)
+    parser.add_group(WORKER)
+    parser.add_group(RUNTIME)
+    parser.add_group(LOGGING)
+    parser.set_defaults(func=run_worker)
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "worker",
-        help="run one engine worker",
-        description="Run an engine worker that registers in discovery and serves requests "
-        "routed by `shoal frontend`. SIGTERM unregisters, drains in-flight requests, exits.",
-    )
-    add_engine_args(p)
-    add_engine_choice_args(p)
-    add_runtime_args(p)
-    p.add_argument(
-        "--served-model-name",
-        default=os.environ.get("SHOAL_SERVED_MODEL_NAME"),
-        help="model name clients ask for (default: --model) [env SHOAL_SERVED_MODEL_NAME]",
-    )
-    p.add_argument(
-        "--host",
-        default=os.environ.get("SHOAL_WORKER_HOST", "127.0.0.1"),
-        help="address the request plane binds (default 127.0.0.1) [env SHOAL_WORKER_HOST]",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=float(os.environ.get("SHOAL_DRAIN_TIMEOUT", "30")),
-        help="seconds in-flight requests get to finish on SIGTERM (default 30) "
-        "[env SHOAL_DRAIN_TIMEOUT]",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(os.environ["SHOAL_METRICS_PORT"])
-        if "SHOAL_METRICS_PORT" in os.environ
-        else None,
-        help="serve Prometheus /metrics of this worker on this port (default: off) "
-        "[env SHOAL_METRICS_PORT]",
-    )
-    p.set_defaults(func=run_worker)
+def advertise_address(host: str) -> str:
+    """The address others dial for a server bound to `host`: `host` itself unless it binds
+    every interface, then this machine's primary address (its hostname's when it has no
+    route out)."""
+    if host not in ANY_ADDRESS:
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # UDP: picks the outgoing interface, sends nothing
+            return probe.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _build_engine(make_engine: functools.partial):
+    """Build the engine; a failure becomes WorkerStartError carrying a one-line reason."""
+    try:
+        return make_engine()
+    except Exception as e:
+        logging.getLogger(__name__).debug("engine start failed", exc_info=True)
+        raise WorkerStartError(f"{type(e).__name__}: {e}") from e
+
+
+class WorkerStartError(RuntimeError):
+    """The engine could not be built (bad model path, no network for a hub id, ...)."""
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    """Run the worker until SIGTERM; exit 1 with one line when its engine cannot start."""
     from shoal.engine.config import EngineConfig
-    from shoal.engine.llm_engine import LLMEngine
     from shoal.worker.worker import serve_worker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args)
     if not args.discovery:
         raise SystemExit("--discovery is required for a standalone worker (or use `shoal serve`)")
-    config = EngineConfig(model=args.model, **engine_options(args))
+    advertise_host = args.advertise_host or advertise_address(args.host)
+    try:
+        config = EngineConfig(model=args.model, **engine_options(args))
+    except ValueError as e:
+        print(f"shoal worker: error: {e}", file=sys.stderr)
+        return 2
     if args.engine == "mocker":
         from shoal.mocker.engine import MockEngine
 
         make_engine = functools.partial(MockEngine, config, **mocker_options(args))
     else:
+        from shoal.engine.llm_engine import LLMEngine
+
         make_engine = functools.partial(LLMEngine, config)
-    asyncio.run(
-        serve_worker(
-            make_engine,
-            args.served_model_name or args.model,
-            args.discovery,
-            host=args.host,
-            drain_timeout=args.drain_timeout,
-            metrics_port=args.metrics_port,
+    # serve_worker takes advertise_host only where it differs from the bound host
+    advertise = {} if advertise_host == args.host else {"advertise_host": advertise_host}
+    try:
+        asyncio.run(
+            serve_worker(
+                functools.partial(_build_engine, make_engine),
+                args.served_model_name or args.model,
+                args.discovery,
+                host=args.host,
+                drain_timeout=args.drain_timeout,
+                metrics_port=args.metrics_port,
+                **advertise,
+            )
         )
-    )
+    except WorkerStartError as e:
+        print(f"shoal worker: error: cannot start {args.model}: {e}", file=sys.stderr)
+        return 1
     return 0

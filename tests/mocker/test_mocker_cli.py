@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from shoal.cli import build_parser
@@ -29,10 +31,21 @@ def test_flags_and_environment_twins(monkeypatch):
     }
 
 
-def test_bad_engine_name_in_the_environment(monkeypatch):
+def test_bad_engine_name_in_the_environment(monkeypatch, capsys):
     monkeypatch.setenv("SHOAL_ENGINE", "vllm")
-    with pytest.raises(SystemExit, match="SHOAL_ENGINE"):
-        build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser("worker").parse_args(["--model", "m"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "shoal worker: error: SHOAL_ENGINE='vllm': expected one of shoal, mocker\n"
+    )
+
+
+def test_mocker_flags_cover_every_timing_coefficient():
+    args = build_parser("worker").parse_args(["--model", "m"])
+    assert {f.name for f in fields(TimingModel)} <= {
+        name.removeprefix("mocker_") for name in vars(args)
+    }
 
 
 def test_serve_forwards_engine_and_mocker_flags_to_its_workers():

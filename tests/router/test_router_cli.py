@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from shoal.router.cli import add_router_args, router_options
+from shoal.flags import FlagParser
+from shoal.router.cli import ROUTER, router_options
 from shoal.router.selector import KvRouterConfig
 
 
 def parse(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser()
-    add_router_args(parser)
+    parser = FlagParser()
+    parser.add_group(ROUTER)
     return router_options(parser.parse_args(argv))
 
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
-from serve_helpers import start_serve, stop_serve, worker_pids
+from serve_helpers import free_port, start_serve, stop_serve, worker_pids
 
 from shoal import LLM, SamplingParams
+from shoal.serve import POLL_S
 
 PROMPT = "The river ran fast and cold between the stones, and the small fish held their place"
 
@@ -99,7 +102,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server):
     assert ok.status_code == 200
 
 
-def test_killed_worker_does_not_stop_the_service(server):
+def test_killed_worker_is_replaced_and_the_service_goes_on(server):
     proc, base, _ = server
     victim = worker_pids(proc.pid)[0]
     os.kill(victim, signal.SIGKILL)
@@ -107,6 +110,42 @@ def test_killed_worker_does_not_stop_the_service(server):
     for _ in range(6):
         out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
         assert out.choices[0].finish_reason == "length"
-    time.sleep(1.5)  # `shoal serve` reaps the dead worker within a second
-    assert worker_pids(proc.pid) == [p for p in worker_pids(proc.pid) if p != victim]
-    assert len(worker_pids(proc.pid)) == 1
+    deadline = time.monotonic() + 90  # --restart-workers (on by default) starts a new one
+    while time.monotonic() < deadline:
+        pids = worker_pids(proc.pid)
+        if len(pids) == 2 and victim not in pids:
+            break
+        time.sleep(0.5)
+    assert len(pids) == 2 and victim not in pids
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        ("/nonexistent/model", "model path /nonexistent/model is not a directory"),
+        ("nobody-shoal-test/no-such-model", "LocalEntryNotFoundError"),  # hub id, no network
+    ],
+)
+def test_serve_exits_with_one_line_when_no_worker_can_start(tmp_path, model, reason):
+    argv = [sys.executable, "-m", "shoal", "serve", "--model", model, "--device", "cpu"]
+    argv += ["--workers", "2", "--port", str(free_port()), "--discovery", f"file://{tmp_path}"]
+    argv += ["--log-level", "warning"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=150)
+    assert out.returncode == 1
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"shoal serve: error: no worker started: cannot start {model}: ")
+    assert reason in line
+
+
+def test_without_restarts_a_dead_worker_is_reported(tmp_path, llama_dir):
+    proc, base, _ = start_serve(llama_dir, tmp_path, workers=1, extra_args=["--no-restart-workers"])
+    try:
+        (victim,) = worker_pids(proc.pid)
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(3 * POLL_S + 1.0)  # several of serve's polls: no replacement comes
+        assert worker_pids(proc.pid) == []
+        assert proc.poll() is None  # the frontend keeps answering
+        assert httpx.get(f"{base}/v1/models").status_code == 200
+    finally:
+        stop_serve(proc)
