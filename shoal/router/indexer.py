@@ -7,8 +7,12 @@ engine's hashes to the router's, which BlockRemoved events are read through. So 
 follows shoal engines and any engine publishing vLLM-format events alike.
 
 Router hashes are chained, so one hash names its block and its whole prefix: the index is a
-flat map from hash to the workers holding it, with no tree to walk. Only blocks in GPU
-memory are indexed; events about other tiers (`medium` CPU, disk) are ignored.
+flat map from hash to the set of workers holding it, with no tree to walk. Those sets are
+interned: every block held by exactly the same workers shares one set object, so a block
+costs one pointer however many workers hold it, and a lookup walking a prompt's blocks
+moves on in O(1) while the holders stay the same object, intersecting sets only where they
+change. Only blocks in GPU memory are indexed; events about other tiers (`medium` CPU,
+disk) are ignored.
 """
 
 from __future__ import annotations
@@ -32,6 +36,22 @@ _NONE: frozenset[str] = frozenset()
 _INDEXED_MEDIA = (None, MEDIUM_GPU)
 
 
+class _Holders:
+    """One interned set of workers, shared by every block those workers (only) hold."""
+
+    __slots__ = ("members", "minus", "plus", "refs")
+
+    def __init__(self, members: frozenset[str]) -> None:
+        self.members = members
+        self.refs = 0  # blocks pointing at this set; 0: dropped from the index's table
+        # The sets one worker more or fewer lead to (cached; a target with refs 0 is stale).
+        self.plus: dict[str, _Holders] = {}
+        self.minus: dict[str, _Holders] = {}
+
+
+_UNSHARED = _Holders(_NONE)  # no block points at it: a walk's "no shared set" marker
+
+
 class _Held:
     """One worker's blocks: engine hash -> router hash, and router hash -> engine blocks."""
 
@@ -46,7 +66,8 @@ class KvIndexer:
     """Router block hash -> workers holding it, and per worker its blocks, from KV events."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, _Holders] = {}
+        self._sets: dict[frozenset[str], _Holders] = {}
         self._held: dict[str, _Held] = {}
 
     def apply(self, worker_id: str, event: KVEvent) -> None:
@@ -113,7 +134,7 @@ class KvIndexer:
             n = count.get(h, 0)
             count[h] = n + 1
             if not n:
-                self._holders.setdefault(h, set()).add(worker_id)
+                self._add_holder(h, worker_id)
 
     def remove(self, worker_id: str, engine_hashes: Iterable[EngineBlockHash]) -> None:
         """Forget these blocks (by the engine's hashes); blocks not held are ignored."""
@@ -146,22 +167,32 @@ class KvIndexer:
     def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading blocks of this chained-hash sequence it holds.
 
-        Workers holding none of the leading blocks are left out. The candidate set only
-        shrinks, block by block, and the walk stops when it is empty: O(blocks) set
-        intersections, each bounded by the number of workers still matching.
+        Workers holding none of the leading blocks are left out. The walk is O(1) per block
+        while a block's holders are the interned set of the workers still matching, and
+        intersects sets only where the holders change; it stops when no worker matches.
         """
-        if not block_hashes:
+        holders = self._holders
+        if not block_hashes or block_hashes[0] not in holders:
             return {}
         result: dict[str, int] = {}
-        candidates = set(self._holders.get(block_hashes[0], ()))
+        current = holders[block_hashes[0]]
+        candidates = current.members
         for depth in range(1, len(block_hashes)):
-            if not candidates:
-                return result
-            survivors = candidates & self._holders.get(block_hashes[depth], _NONE)
+            nxt = holders.get(block_hashes[depth])
+            if nxt is current:
+                continue
+            survivors = _NONE if nxt is None else candidates & nxt.members
             if len(survivors) < len(candidates):
                 for worker_id in candidates - survivors:
                     result[worker_id] = depth
+                if not survivors:
+                    return result
                 candidates = survivors
+            # survivors is a subset of nxt's members: equal sizes mean the same set
+            if nxt is not None and len(survivors) == len(nxt.members):
+                current = nxt
+            else:
+                current = self._sets.get(survivors, _UNSHARED)
         for worker_id in candidates:
             result[worker_id] = len(block_hashes)
         return result
@@ -187,8 +218,41 @@ class KvIndexer:
             del held.count[block_hash]
             self._drop_holder(block_hash, worker_id)
 
+    def _add_holder(self, block_hash: int, worker_id: str) -> None:
+        old = self._holders.get(block_hash)
+        if old is None:
+            new = self._shared(frozenset((worker_id,)))
+        else:
+            new = old.plus.get(worker_id)
+            if new is None or not new.refs:
+                new = old.plus[worker_id] = self._shared(old.members | {worker_id})
+        new.refs += 1
+        self._holders[block_hash] = new
+        if old is not None:
+            self._unref(old)
+
     def _drop_holder(self, block_hash: int, worker_id: str) -> None:
-        holders = self._holders[block_hash]
-        holders.discard(worker_id)
-        if not holders:
+        old = self._holders[block_hash]
+        if len(old.members) == 1:
             del self._holders[block_hash]
+        else:
+            new = old.minus.get(worker_id)
+            if new is None or not new.refs:
+                new = old.minus[worker_id] = self._shared(old.members - {worker_id})
+            new.refs += 1
+            self._holders[block_hash] = new
+        self._unref(old)
+
+    def _shared(self, members: frozenset[str]) -> _Holders:
+        """The one set object for `members` (callers add their reference)."""
+        shared = self._sets.get(members)
+        if shared is None:
+            shared = self._sets[members] = _Holders(members)
+        return shared
+
+    def _unref(self, shared: _Holders) -> None:
+        shared.refs -= 1
+        if not shared.refs:
+            del self._sets[shared.members]
+            shared.plus.clear()
+            shared.minus.clear()

@@ -287,3 +287,7 @@ def test_random_event_streams_match_the_model(seed):
                 assert index.num_blocks(w) == len(model.held(w))
     # Every hash still indexed is held by someone: nothing leaks after removals.
     assert set(index._holders) == set().union(*map(model.held, model.pairs))
+    # Blocks with the same holders share one set object, and no unused set is kept.
+    shared = {id(h): h for h in index._holders.values()}
+    assert len(shared) == len(index._sets) == len({h.members for h in shared.values()})
+    assert sum(h.refs for h in shared.values()) == len(index._holders)
