@@ -1,0 +1,253 @@
+"""Serving against the engine, in one run on one GPU (PERFORMANCE.md workload 5).
+
+    .venv/bin/python benchmarks/serving_bench.py --shape qwen3-0.6b
+
+Draws one workload (input and output lengths uniform in [100, 1024], the draws `shoal bench
+run --seed S` makes), runs it through LLMEngine offline (all requests submitted at once) in a
+process of its own, then through `shoal serve --workers 1 --load-format dummy` driven by
+`shoal bench run --concurrency C` (completions, ignore_eos, a word tokenizer of the model's
+full vocabulary so prompts are token-exact), and prints serve / engine output tok/s. Both
+halves use the same engine settings. Appends the figures to benchmarks/results/serving.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import SHAPES
+from provenance import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results" / "serving.jsonl"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def word(token_id: int) -> str:
+    """A distinct lowercase word of at least four letters for every token id."""
+    n, s = token_id + 26**3, ""
+    while n:
+        n, r = divmod(n, 26)
+        s = LETTERS[r] + s
+    return s
+
+
+def make_model_dir(shape: str, folder: Path) -> Path:
+    """config.json of the shape plus a whitespace word tokenizer covering the whole vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**SHAPES[shape], "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(config))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({word(i): i for i in range(3, config["vocab_size"])})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return folder
+
+
+def lengths(seed: int, num: int, low: int, high: int) -> tuple[np.ndarray, np.ndarray]:
+    """Input and output lengths as `shoal bench run --seed` draws them (inputs first)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(low, high + 1, num), rng.integers(low, high + 1, num)
+
+
+def engine_half(args: argparse.Namespace) -> dict:
+    """Run the workload offline through LLMEngine; output tok/s and wall time."""
+    from shoal.engine.config import EngineConfig
+    from shoal.engine.llm_engine import LLMEngine
+    from shoal.protocol import EngineRequest, SamplingParams
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(args.model_dir),
+            load_format="dummy",
+            enable_prefix_caching=False,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    )
+    ins, outs = lengths(args.seed, args.num_requests, args.min_len, args.max_len)
+    rng = np.random.default_rng(args.seed + 1)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True)):
+        sp = SamplingParams(temperature=0.0, max_tokens=int(n_out), ignore_eos=True)
+        prompt = rng.integers(3, vocab, int(n_in)).tolist()
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling=sp))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "output_tok_s": float(outs.sum()) / wall}
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"shoal serve exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"shoal serve not healthy after {timeout:.0f}s")
+
+
+def serve_half(args: argparse.Namespace, out_dir: Path) -> dict:
+    """Run the workload through `shoal serve` at the given concurrency; the bench summary."""
+    url = f"http://127.0.0.1:{args.port}"
+    serve_log = (out_dir / "serve.log").open("w")
+    server = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "shoal", "serve", "--model", str(args.model_dir)),
+            *("--load-format", "dummy", "--workers", "1", "--port", str(args.port)),
+            *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
+            *args.serve_args.split(),
+        ],
+        stdout=serve_log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
+    try:
+        wait_healthy(url, server, args.start_timeout)
+        bench = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
+        bench += ["--tokenizer", str(args.model_dir), "--seed", str(args.seed)]
+        bench += ["--concurrency", str(args.concurrency)]
+        bench += ["--num-requests", str(args.num_requests)]
+        bench += ["--input-len", f"uniform:{args.min_len}:{args.max_len}"]
+        bench += ["--output-len", f"uniform:{args.min_len}:{args.max_len}"]
+        bench += ["--warmup", "8", "--no-progress", "--no-plots", "--out", str(out_dir)]
+        subprocess.run(bench, check=True, cwd=ROOT)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        serve_log.close()
+    doc = json.loads((out_dir / "results.json").read_text())
+    return doc["runs"][-1]["summary"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--num-requests", type=int, default=512)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--serve-args", default="", help="extra `shoal serve` flags, one string")
+    p.add_argument("--half", choices=["engine", "serve", "both"], default="both")
+    p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+
+    if args.half == "engine" and args.model_dir is not None:  # the engine half's own process
+        print(json.dumps(engine_half(args)))
+        return
+    work = Path(tempfile.mkdtemp(prefix="shoal-serving-bench-"))
+    args.model_dir = make_model_dir(args.shape, work / "model")
+    record = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **provenance(),
+        "device": _device_name(),
+        "host": platform.node(),
+        "workload": {
+            "shape": args.shape,
+            "num_requests": args.num_requests,
+            "concurrency": args.concurrency,
+            "input_len": f"uniform:{args.min_len}:{args.max_len}",
+            "output_len": f"uniform:{args.min_len}:{args.max_len}",
+            "seed": args.seed,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "serve_args": args.serve_args,
+        },
+    }
+    if args.half in ("engine", "both"):
+        cmd = [sys.executable, __file__, "--half", "engine", "--model-dir", str(args.model_dir)]
+        cmd += ["--shape", args.shape, "--num-requests", str(args.num_requests)]
+        cmd += ["--min-len", str(args.min_len), "--max-len", str(args.max_len)]
+        cmd += ["--seed", str(args.seed)]
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+        record["engine"] = json.loads(out.stdout.strip().splitlines()[-1])
+    if args.half in ("serve", "both"):
+        summary = serve_half(args, work)
+        lat = summary["latency_ms"]
+        record["serve"] = {
+            "output_tok_s": summary["throughput"]["output_tokens_per_s"],
+            "errors": summary["requests"]["errors"],
+            "ttft_p50_ms": lat["ttft"]["p50"],
+            "ttft_p99_ms": lat["ttft"]["p99"],
+            "itl_p50_ms": lat["itl"]["p50"],
+            "tpot_p50_ms": lat["tpot"]["p50"],
+        }
+    if "engine" in record and "serve" in record:
+        record["serve_over_engine"] = (
+            record["serve"]["output_tok_s"] / record["engine"]["output_tok_s"]
+        )
+    RESULTS.parent.mkdir(exist_ok=True)
+    with RESULTS.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(_table(record))
+
+
+def _device_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "cpu"
+
+
+def _table(record: dict) -> str:
+    w = record["workload"]
+    lines = [
+        f"{w['shape']}, {w['num_requests']} requests, concurrency {w['concurrency']}, "
+        f"{record['device']}, commit {record['commit']}"
+    ]
+    if "engine" in record:
+        lines.append(f"engine offline   {record['engine']['output_tok_s']:>10,.0f} out tok/s")
+    if "serve" in record:
+        s = record["serve"]
+        lines.append(
+            f"shoal serve      {s['output_tok_s']:>10,.0f} out tok/s  TTFT p50 "
+            f"{s['ttft_p50_ms']:.0f} ms  TPOT p50 {s['tpot_p50_ms']:.1f} ms  errors {s['errors']}"
+        )
+    if "serve_over_engine" in record:
+        lines.append(f"serve / engine   {record['serve_over_engine']:>10.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
