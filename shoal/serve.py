@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from shoal.engine.cli import add_engine_args, engine_argv
 from shoal.flags import Flag, FlagGroup, FlagParser, flag_argv
 from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontend
 from shoal.mocker.cli import MOCKER
-from shoal.runtime.cli import LOGGING, RUNTIME, setup_logging
+from shoal.runtime.cli import LOGGING, PLANE_SECRET, RUNTIME, setup_logging
 from shoal.worker.cli import ENGINE_CHOICE, MODEL_NAME, add_engine_choice_args
 
 log = logging.getLogger("shoal.serve")
@@ -69,20 +70,32 @@ def worker_argv(args: argparse.Namespace, discovery: str) -> list[str]:
     argv = [sys.executable, "-m", "shoal", "worker", *engine_argv(args)]
     argv += flag_argv(args, ENGINE_CHOICE) + flag_argv(args, MOCKER)
     argv += ["--discovery", discovery, "--served-model-name", args.served_model_name or args.model]
+    if args.dead_after is not None:
+        argv += ["--dead-after", str(args.dead_after)]
     return [*argv, "--log-level", args.log_level]
+
+
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """The workers' environment: this one's, with the plane secret (kept off their command
+    lines, which every local user can read)."""
+    env = dict(os.environ)
+    if args.plane_secret is not None:
+        env[PLANE_SECRET.env_var] = args.plane_secret
+    return env
 
 
 class _Slot:
     """One worker place: its process, the one-line error it printed, its restart pacing."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.argv = argv
+        self.env = env
         self.quick_exits = 0  # consecutive exits within QUICK_EXIT_S of a start
         self.start()
 
     def start(self) -> None:
         """Start a worker process in this place, its stderr relayed through this one."""
-        self.proc = subprocess.Popen(self.argv, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(self.argv, env=self.env, stderr=subprocess.PIPE)
         self.started_at = time.monotonic()
         self.restart_at: float | None = None  # when the next replacement starts
         self.reported = False  # its exit has been logged
@@ -113,9 +126,9 @@ class WorkerPool:
     """serve's worker processes: started together, watched, replaced (or reported) when
     they exit; `error` says why serving cannot go on."""
 
-    def __init__(self, argv: list[str], count: int, restart: bool) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], count: int, restart: bool) -> None:
         self.restart = restart
-        self.slots = [_Slot(argv) for _ in range(count)]
+        self.slots = [_Slot(argv, env) for _ in range(count)]
         self.error: str | None = None
 
     async def watch(self, discovery: str, failed: asyncio.Event) -> None:
@@ -209,7 +222,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     folder = None if args.discovery else tempfile.mkdtemp(prefix="shoal-discovery-")
     discovery = args.discovery or f"file://{folder}"
-    pool = WorkerPool(worker_argv(args, discovery), args.workers, args.restart_workers)
+    argv, env = worker_argv(args, discovery), worker_env(args)
+    pool = WorkerPool(argv, env, args.workers, args.restart_workers)
     log.info(
         "started %d worker(s) for %s; frontend on http://%s:%d",
         args.workers,

@@ -12,7 +12,8 @@ import pytest
 from shoal.cli import COMMANDS, build_parser, configuration_doc
 from shoal.engine.cli import engine_options
 from shoal.flags import Flag, FlagGroup, FlagParser, parse_bool
-from shoal.serve import worker_argv
+from shoal.runtime.cli import runtime_options
+from shoal.serve import worker_argv, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,3 +172,25 @@ def test_configuration_doc_is_current():
         "`.venv/bin/python -c 'import shoal.cli as c; print(c.configuration_doc(), end=\"\")' "
         "> docs/configuration.md`"
     )
+
+
+def test_serve_hands_the_plane_secret_to_workers_through_the_environment():
+    args = parse("serve", "--model", "m", "--plane-secret", "s3cret", "--dead-after", "90")
+    argv = worker_argv(args, "file:///tmp/d")
+    assert "s3cret" not in " ".join(argv)  # command lines are visible to every local user
+    assert worker_env(args)["SHOAL_PLANE_SECRET"] == "s3cret"
+    worker = build_parser("worker").parse_args(argv[4:])
+    assert worker.dead_after == 90.0 and worker.plane_secret is None
+    assert "SHOAL_PLANE_SECRET" not in worker_env(parse("serve", "--model", "m"))
+
+
+def test_frontend_flags_reach_their_keyword_arguments(monkeypatch):
+    monkeypatch.setenv("SHOAL_ACCESS_LOG", "off")
+    args = parse("frontend", "--migration-limit", "0", "--max-prompts-per-request", "8")
+    assert (args.migration_limit, args.max_prompts_per_request) == (0, 8)
+    assert args.access_log is False
+    defaults = parse("frontend")
+    assert (defaults.migration_limit, defaults.next_token_timeout) == (3, 120.0)
+    assert defaults.max_request_body_bytes == 16 * 1024 * 1024
+    assert runtime_options(defaults) == {}
+    assert runtime_options(parse("frontend", "--plane-secret", "k")) == {"plane_secret": "k"}

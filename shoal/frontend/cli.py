@@ -8,8 +8,11 @@ import logging
 import signal
 
 from shoal.flags import Flag, FlagGroup, FlagParser
+from shoal.frontend.app import MAX_REQUEST_BODY_BYTES
+from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST
+from shoal.frontend.worker_client import MIGRATION_LIMIT, NEXT_TOKEN_TIMEOUT
 from shoal.router.cli import ROUTER, router_options
-from shoal.runtime.cli import LOGGING, RUNTIME, setup_logging
+from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
 
 FRONTEND = FlagGroup(
     "frontend",
@@ -25,6 +28,37 @@ FRONTEND = FlagGroup(
         ),
         Flag(
             "shutdown-timeout", "seconds in-flight requests get to finish on SIGTERM", float, 30.0
+        ),
+        Flag(
+            "max-request-body-bytes",
+            "a larger request body is answered 413 unread",
+            int,
+            MAX_REQUEST_BODY_BYTES,
+            shown_default=f"{MAX_REQUEST_BODY_BYTES >> 20} MiB",
+        ),
+        Flag(
+            "max-prompts-per-request",
+            "prompts one completions request may hold",
+            int,
+            MAX_PROMPTS_PER_REQUEST,
+        ),
+        Flag(
+            "access-log",
+            "one `shoal.access` log line per /v1 request (benchmarks turn it off)",
+            kind="toggle",
+            default=True,
+        ),
+        Flag(
+            "migration-limit",
+            "times a request may move to another worker when its worker dies or stalls (0: never)",
+            int,
+            MIGRATION_LIMIT,
+        ),
+        Flag(
+            "next-token-timeout",
+            "seconds a request waits for its worker's next output before it moves to another",
+            float,
+            NEXT_TOKEN_TIMEOUT,
         ),
     ),
     about="The OpenAI-compatible HTTP server ([serving.md](serving.md)).",
@@ -86,16 +120,25 @@ async def serve_frontend(
 
     options = router_options(args)
     registry = CollectorRegistry()
-    runtime = DistributedRuntime(discovery)
+    runtime = DistributedRuntime(discovery, **runtime_options(args))
     client = None
     watcher = None
     try:
-        client = await WorkerClient(runtime, registry=registry, **options).start()
+        client = await WorkerClient(
+            runtime,
+            registry=registry,
+            migration_limit=args.migration_limit,
+            next_token_timeout=args.next_token_timeout,
+            **options,
+        ).start()
         app = build_app(
             client,
             api_key=args.api_key,
             max_concurrency=args.max_concurrency or None,  # 0: no limit
             registry=registry,
+            max_request_body_bytes=args.max_request_body_bytes,
+            max_prompts_per_request=args.max_prompts_per_request,
+            access_log=args.access_log,
         )
         config = uvicorn.Config(
             app,

@@ -9,6 +9,12 @@ from shoal.flags import Flag, FlagGroup
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
+PLANE_SECRET = Flag(
+    "plane-secret",
+    "shared secret that signs and checks every request-plane and event-plane message; "
+    "every process of a deployment needs the same one",
+    shown_default="off",
+)
 RUNTIME = FlagGroup(
     "runtime",
     (
@@ -17,6 +23,14 @@ RUNTIME = FlagGroup(
             "discovery backend: file:///dir (processes of one host), etcd://host:port (many hosts)",
             metavar="URL",
             shown_default="`shoal serve`: a private file:// folder; others: required",
+        ),
+        PLANE_SECRET,
+        Flag(
+            "dead-after",
+            "seconds of total silence after which a connected request-plane peer counts as "
+            "dead (a closed connection, or discovery dropping it, counts at once)",
+            float,
+            shown_default="60",
         ),
     ),
     about="How the processes of a deployment find each other ([runtime.md](runtime.md)).",
@@ -39,3 +53,9 @@ LOGGING = FlagGroup(
 def setup_logging(args: argparse.Namespace) -> None:
     """Log to stderr at --log-level."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+
+
+def runtime_options(args: argparse.Namespace) -> dict:
+    """DistributedRuntime keyword options from the runtime flags (unset ones left out)."""
+    options = {"plane_secret": args.plane_secret, "dead_after": args.dead_after}
+    return {name: value for name, value in options.items() if value is not None}

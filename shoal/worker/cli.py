@@ -12,7 +12,7 @@ import sys
 from shoal.engine.cli import add_engine_args, engine_options
 from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.mocker.cli import MOCKER, mocker_options
-from shoal.runtime.cli import LOGGING, RUNTIME, setup_logging
+from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
 
 ENGINES = ("shoal", "mocker")
 ANY_ADDRESS = ("0.0.0.0", "*", "::", "")
@@ -57,8 +57,10 @@ WORKER = FlagGroup(
             int,
             shown_default="off",
         ),
+        Flag("stats-interval", "seconds between engine stats log lines (0: off)", float, 10.0),
     ),
-    about="A standalone engine worker's process options.",
+    about="A worker's process options (`shoal serve`'s workers take them from the "
+    "environment: `SHOAL_DRAIN_TIMEOUT`, `SHOAL_STATS_INTERVAL`, ...).",
 )
 
 
@@ -147,6 +149,8 @@ def run_worker(args: argparse.Namespace) -> int:
                 host=args.host,
                 drain_timeout=args.drain_timeout,
                 metrics_port=args.metrics_port,
+                stats_interval=args.stats_interval,
+                **runtime_options(args),
                 **advertise,
             )
         )
