@@ -232,7 +232,9 @@ class RequestServer:
             return
         peer = frames[0]
         self._last_seen[peer] = time.monotonic()
-        self._fd_peer[self._sock.source_fd] = peer  # type: ignore[union-attr]
+        fd = self._sock.source_fd  # type: ignore[union-attr]
+        if fd >= 0:
+            self._fd_peer[fd] = peer
         body = frames[1:]
         if self._signer is not None:
             checked = self._signer.verify(body)

@@ -104,7 +104,10 @@ class LoopSocket:
         while not (sock.closed or self._paused) and getsockopt(_EVENTS) & _POLLIN:
             if track:
                 first = recv(_NOBLOCK, copy=False)
-                self.source_fd = first.get(_SRCFD)
+                try:
+                    self.source_fd = first.get(_SRCFD)
+                except zmq.ZMQError:  # a message with no source (e.g. from a ZMTP 1.0 peer)
+                    self.source_fd = -1
                 frames = [first.bytes]
             else:
                 frames = [recv(_NOBLOCK)]

@@ -55,14 +55,20 @@ class Worker:
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.folder = folder
         self.metrics = f"http://127.0.0.1:{metrics_port}"
-        self.proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+        self.log_path = folder.with_name(folder.name + "-worker.log")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, env=env, stderr=log)
         deadline = time.monotonic() + 60
         while not registered(folder):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"worker did not start: {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"worker did not start: {self.log()[-2000:]}")
             time.sleep(0.2)
         self.address = registered(folder)[0]
+
+    def log(self) -> str:
+        """What the worker wrote to stderr so far (its log)."""
+        return self.log_path.read_text(errors="replace")
 
     def health(self) -> int:
         return httpx.get(f"{self.metrics}/health", timeout=5).status_code
@@ -82,8 +88,6 @@ class Worker:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
         self.proc.wait(timeout=10)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
 
 
 async def client(folder: Path) -> tuple[DistributedRuntime, EndpointClient[EngineOutput]]:

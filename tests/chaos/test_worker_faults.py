@@ -116,7 +116,7 @@ def test_engine_death_fails_streams_and_the_worker_exits_nonzero(
     try:
         run(main(), timeout=60)
         assert worker.proc.wait(timeout=30) != 0
-        assert "engine loop died" in worker.proc.stderr.read()
+        assert "engine loop died" in worker.log()
         assert registered(folder) == []  # it left discovery on its way out
     finally:
         worker.stop()
