@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from shoal.engine.cli import engine_options
 from shoal.flags import Flag, FlagGroup, FlagParser, parse_bool
 from shoal.runtime.cli import runtime_options
 from shoal.serve import worker_argv, worker_env
+from shoal.worker.cli import ANY_ADDRESS, advertise_address
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,3 +196,10 @@ def test_frontend_flags_reach_their_keyword_arguments(monkeypatch):
     assert defaults.max_request_body_bytes == 16 * 1024 * 1024
     assert runtime_options(defaults) == {}
     assert runtime_options(parse("frontend", "--plane-secret", "k")) == {"plane_secret": "k"}
+
+
+def test_advertise_address_is_routable_when_binding_every_interface():
+    assert advertise_address("10.1.2.3") == "10.1.2.3"
+    address = advertise_address("0.0.0.0")
+    assert address not in ANY_ADDRESS
+    assert socket.inet_aton(address)  # an IPv4 address other hosts can dial

@@ -22,7 +22,9 @@ PROMPT = "The river ran fast and cold between the stones, and the small fish hel
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    proc, base, folder = start_serve(llama_dir, tmp_path_factory.mktemp("discovery"), workers=2)
+    folder = tmp_path_factory.mktemp("discovery")
+    secret = ["--plane-secret", "serve-test-secret"]  # the planes sign and check every message
+    proc, base, folder = start_serve(llama_dir, folder, workers=2, extra_args=secret)
     yield proc, base, folder
     stop_serve(proc)
 
