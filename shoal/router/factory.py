@@ -19,10 +19,15 @@ def make_router(
     use_kv_events: bool = True,
     registry: CollectorRegistry | None = None,
     seed: int | None = None,
+    replica_sync: bool = True,
+    sync_host: str = "127.0.0.1",
+    sync_advertise_host: str | None = None,
 ) -> Policy:
     """The policy named `mode`; least-loaded counts this process's open streams per worker.
 
     `seed` seeds the random choices (random mode, ties), for runs that must repeat exactly.
+    kv mode: `replica_sync` shares routed load with the other router replicas over the
+    event plane, publishing on `sync_host` (others dial `sync_advertise_host` if given).
     """
     if mode == "round-robin":
         return RoundRobin()
@@ -37,5 +42,8 @@ def make_router(
             use_kv_events=use_kv_events,
             metrics=RouterMetrics(registry),
             seed=seed,
+            replica_sync=replica_sync,
+            sync_host=sync_host,
+            sync_advertise_host=sync_advertise_host,
         )
     raise ValueError(f"unknown router mode {mode!r} (choose from {', '.join(POLICIES)})")

@@ -9,7 +9,11 @@ a gap in the numbers asks the worker for a full dump (KV_STATE_ENDPOINT), holds 
 that arrive meanwhile, then applies those numbered after the dump.
 
 Without KV events (`use_kv_events=False`) the index is approximate: it remembers where the
-router itself sent each prefix, for a TTL.
+router itself sent each prefix, within each worker's KV capacity (shoal.router.approx).
+
+With `replica_sync` (the default) the router shares the load it adds to each worker with
+the other router replicas routing to the same workers, and counts theirs
+(shoal.router.replica_sync), so several frontends route as one would.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import contextlib
 import logging
 import math
 import random
+import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from shoal.kv_hash import extra_key, hash_blocks
 from shoal.protocol import (
@@ -39,6 +44,14 @@ from shoal.router.indexer import KvIndexer
 from shoal.router.load import LoadTracker
 from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import Policy
+from shoal.router.replica_sync import (
+    FINISHED,
+    FIRST_TOKEN,
+    ROUTED,
+    LoadDelta,
+    PeerLoads,
+    ReplicaSync,
+)
 from shoal.router.selector import KvRouterConfig, free_workers, select_worker
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
@@ -85,6 +98,9 @@ class KvRouter(Policy):
         use_kv_events: bool = True,
         metrics: RouterMetrics | None = None,
         seed: int | None = None,
+        replica_sync: bool = True,
+        sync_host: str = "127.0.0.1",
+        sync_advertise_host: str | None = None,
     ) -> None:
         self.runtime = runtime
         self.config = config or KvRouterConfig()
@@ -93,6 +109,21 @@ class KvRouter(Policy):
             KvIndexer() if use_kv_events else ApproxIndexer(self.config.approx_ttl)
         )
         self.load = LoadTracker(block_size=16)  # the real size comes with the first worker
+        self.replica_id = secrets.token_hex(8)
+        self.peers = PeerLoads(self.load)  # other replicas' requests, counted in self.load
+        # Where this replica's LoadDeltas go: its ReplicaSync once started (None: unshared).
+        self.share: Callable[[LoadDelta], None] | None = None
+        self._sync = (
+            ReplicaSync(
+                runtime,
+                self.peers,
+                self.replica_id,
+                host=sync_host,
+                advertise_host=sync_advertise_host,
+            )
+            if replica_sync
+            else None
+        )
         self.metrics = metrics or RouterMetrics()
         self.metrics.watch_workers(self._sample_workers)
         self._rng = random.Random(seed)
@@ -107,8 +138,14 @@ class KvRouter(Policy):
         self._load_sub = EventSubscriber(LoadReport, [LOAD_TOPIC])
         self._tasks.append(asyncio.create_task(self._read_load(), name="kv-router load"))
         endpoint.add_listener(self._on_instance)
+        if self._sync is not None:
+            await self._sync.start(endpoint.endpoint)
+            self.share = self._sync.publish
 
     async def close(self) -> None:
+        self.share = None
+        if self._sync is not None:
+            await self._sync.close()
         for feed in self._feeds.values():
             feed.stop()
             self._tasks.extend(t for t in (feed.resync, feed.reader) if t is not None)
@@ -173,6 +210,17 @@ class KvRouter(Policy):
         cached = overlaps.get(worker, 0)
         new_tokens = len(prompt) - cached * block_size
         self.load.add(request.request_id, worker, prompt_blocks - cached, new_tokens)
+        if self.share is not None:
+            self.share(
+                LoadDelta(
+                    self.replica_id,
+                    ROUTED,
+                    request.request_id,
+                    worker,
+                    prompt_blocks - cached,
+                    new_tokens,
+                )
+            )
         if isinstance(self.indexer, ApproxIndexer):
             self.indexer.record(worker, hashes)
         t2 = time.perf_counter()
@@ -185,9 +233,13 @@ class KvRouter(Policy):
         return by_id[worker]
 
     def first_token(self, request_id: str) -> None:
+        if self.share is not None and request_id in self.load:
+            self.share(LoadDelta(self.replica_id, FIRST_TOKEN, request_id))
         self.load.first_token(request_id)
 
     def finished(self, request_id: str) -> None:
+        if self.share is not None and request_id in self.load:
+            self.share(LoadDelta(self.replica_id, FINISHED, request_id))
         self.load.finish(request_id)
 
     # ---- event streams

@@ -3,13 +3,15 @@
 Between two reports the router knows what it sent where: it adds each request's blocks and
 uncached prompt tokens when it routes it, and counts it as queued; at its first token (the
 prefill is over) it drops the prompt tokens and the count, and the blocks when it
-finishes. Reports arrive only now and then, but they also count what the prediction cannot
-see (other routers' requests, blocks held by generated tokens); see LoadTracker.report for
-how the two are combined.
+finishes. With replica sync (shoal.router.replica_sync) it also counts the requests other
+router replicas send, as they announce them. Reports arrive only now and then, but they
+also count what the prediction cannot see (unsynced routers' requests, blocks held by
+generated tokens); see LoadTracker.report for how the two are combined.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from shoal.protocol import LoadReport
@@ -17,9 +19,9 @@ from shoal.protocol import LoadReport
 
 @dataclass(slots=True)
 class _WorkerLoad:
-    blocks: int = 0  # predicted active KV blocks of this router's requests
-    prefill_tokens: int = 0  # uncached prompt tokens of this router's requests not yet prefilled
-    queued: int = 0  # this router's requests without their first token yet
+    blocks: int = 0  # predicted active KV blocks of the requests counted here
+    prefill_tokens: int = 0  # uncached prompt tokens of those requests not yet prefilled
+    queued: int = 0  # those requests without their first token yet
     foreign: int = 0  # reported active blocks the prediction did not account for
     waiting: int = 0  # requests queued on the worker, as last reported
     total_blocks: int | None = None  # the worker's KV cache size, once reported
@@ -45,7 +47,7 @@ class LoadTracker:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._workers: dict[str, _WorkerLoad] = {}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[Hashable, _Request] = {}
 
     @property
     def block_size(self) -> int:
@@ -58,8 +60,12 @@ class LoadTracker:
             raise ValueError(f"block_size must be at least 1 (got {value!r})")
         self._block_size = value
 
-    def add(self, request_id: str, worker_id: str, blocks: int, prefill_tokens: int) -> None:
-        """Count a request just routed to `worker_id`; adding an id again moves it there."""
+    def add(self, request_id: Hashable, worker_id: str, blocks: int, prefill_tokens: int) -> None:
+        """Count a request just routed to `worker_id`; adding an id again moves it there.
+
+        Ids are any hashable key: other router replicas' requests (shoal.router.replica_sync)
+        are keyed (replica id, request id).
+        """
         self.finish(request_id)
         load = self._workers.setdefault(worker_id, _WorkerLoad())
         load.blocks += blocks
@@ -67,7 +73,11 @@ class LoadTracker:
         load.queued += 1
         self._requests[request_id] = _Request(load, blocks, prefill_tokens)
 
-    def first_token(self, request_id: str) -> None:
+    def __contains__(self, request_id: Hashable) -> bool:
+        """Whether the request is counted (routed and not finished)."""
+        return request_id in self._requests
+
+    def first_token(self, request_id: Hashable) -> None:
         """The request's prefill is done: release its prompt tokens (again: no-op)."""
         request = self._requests.get(request_id)
         if request is not None and request.queued:
@@ -76,7 +86,7 @@ class LoadTracker:
             request.prefill_tokens = 0
             request.queued = False
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, request_id: Hashable) -> None:
         """The request is over: release all it held (again, or an unknown id: no-op)."""
         request = self._requests.pop(request_id, None)
         if request is not None:
@@ -92,7 +102,8 @@ class LoadTracker:
     def report(self, report: LoadReport) -> None:
         """Correct the prediction with a worker's own count.
 
-        The predicted active blocks count only this router's requests. The part of the
+        The predicted active blocks count only the requests counted here (this router's and,
+        with replica sync, its peers'). The part of the
         reported active blocks that the prediction does not explain, foreign =
         max(0, report.active_blocks - predicted blocks now), is kept and added to the
         prediction until the next report replaces it; the prediction itself is left alone,
@@ -110,15 +121,15 @@ class LoadTracker:
         self._workers.pop(worker_id, None)
 
     def prefill_blocks(self, worker_id: str) -> float:
-        """Prompt work queued on the worker by this router, in blocks."""
+        """Prompt work queued on the worker by the requests counted here, in blocks."""
         return self._workers.get(worker_id, _UNKNOWN).prefill_tokens / self._block_size
 
     def queued(self, worker_id: str) -> int:
-        """Requests this router sent to the worker that have not had their first token."""
+        """Requests counted here sent to the worker that have not had their first token."""
         return self._workers.get(worker_id, _UNKNOWN).queued
 
     def decode_blocks(self, worker_id: str) -> int:
-        """Active KV blocks on the worker: predicted for this router's requests plus foreign."""
+        """Active KV blocks on the worker: predicted for the requests counted here plus foreign."""
         load = self._workers.get(worker_id, _UNKNOWN)
         return load.blocks + load.foreign
 
