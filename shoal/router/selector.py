@@ -39,7 +39,11 @@ memory). The weights (KvRouterConfig) trade:
   80-token reply; 4 rather than 7 leaves a margin for KV memory.
 - temperature: randomness. 0 takes the cheapest worker, ties at random; above 0 samples
   from softmax(-(cost / max cost) / temperature), spreading load over near-equal workers
-  instead of piling every request onto the one that is cheapest by a hair.
+  instead of piling every request onto the one that is cheapest by a hair. Costs are
+  normalised by the highest, so the temperature means the same at any cost scale (a busy
+  cluster's costs are thousands of blocks, an idle one's a few): a worker whose cost is
+  higher than the cheapest's by a fraction f of the highest cost is picked exp(-f / T)
+  times as often. Scaling every cost leaves the probabilities unchanged.
 - busy_threshold, max_waiting: a worker whose KV usage or queue is above them is busy;
   free_workers leaves busy workers out (what to do when none is free is the caller's call).
 
@@ -142,10 +146,10 @@ def select_worker(
     if config.temperature == 0:
         best = min(costs)
         return rng.choice([w for w, c in zip(workers, costs, strict=True) if c == best])
-    return rng.choices(workers, weights=_softmax_weights(costs, config.temperature))[0]
+    return rng.choices(workers, weights=softmax_weights(costs, config.temperature))[0]
 
 
-def _softmax_weights(costs: list[float], temperature: float) -> list[float]:
+def softmax_weights(costs: Sequence[float], temperature: float) -> list[float]:
     """softmax(-(cost / max cost) / temperature), unnormalized; uniform when all are 0."""
     scale = max(costs)
     if scale <= 0:

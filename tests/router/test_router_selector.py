@@ -10,7 +10,14 @@ import pytest
 
 from shoal.protocol import LoadReport
 from shoal.router.load import LoadTracker
-from shoal.router.selector import KvRouterConfig, busy, cost, free_workers, select_worker
+from shoal.router.selector import (
+    KvRouterConfig,
+    busy,
+    cost,
+    free_workers,
+    select_worker,
+    softmax_weights,
+)
 
 BLOCK = 16
 
@@ -210,3 +217,22 @@ def test_config_accepts_edge_values():
         max_waiting=0,
         approx_ttl=0.1,
     )
+
+
+def test_temperature_means_the_same_at_any_cost_scale():
+    def probabilities(load, prompt_blocks, overlaps):
+        config = KvRouterConfig(temperature=0.3)
+        costs = [cost(w, prompt_blocks, overlaps.get(w, 0), load, config) for w in "abc"]
+        weights = softmax_weights(costs, config.temperature)
+        return costs, [w / sum(weights) for w in weights]
+
+    small_costs, small = probabilities(loaded(decode={"a": 3, "b": 5, "c": 9}), 4, {"a": 2})
+    big_costs, big = probabilities(
+        loaded(decode={"a": 3000, "b": 5000, "c": 9000}), 4000, {"a": 2000}
+    )
+    assert big_costs == [1000 * c for c in small_costs]
+    assert big == pytest.approx(small, rel=1e-12)
+    assert len(set(small)) == 3 and max(small) < 0.9  # a real spread, not a forced one
+    # the weight of a worker f (of the highest cost) above the cheapest is exp(-f / T)
+    f = (small_costs[2] - small_costs[0]) / max(small_costs)
+    assert small[2] / small[0] == pytest.approx(math.exp(-f / 0.3))
