@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ import torch
 
 from shoal.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block, run_profile_step
+from shoal.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.kv_hash import extra_key
@@ -36,6 +37,16 @@ def engine_device(device: str | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def profile_prompt_lengths(max_batched_tokens: int, max_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths that fill the largest step the engine can run: max_batched_tokens
+    tokens (fewer if max_seqs prompts under max_model_len cannot hold them) in as many
+    prompts as allowed, so the step samples as many sequences as a step can."""
+    tokens = min(max_batched_tokens, max_seqs * max(1, max_model_len - 1))
+    count = min(max_seqs, tokens)
+    base, extra = divmod(tokens, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self._init_config(config, engine_device(config.device))
@@ -43,18 +54,7 @@ class LLMEngine:
         model = load_model(self.model_dir, self.model_config, self.device, config.load_format)
         load_time = time.perf_counter() - t0
         num_blocks = self._num_kv_blocks(model)
-        self._init_core(num_blocks)
-        generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.runner = ModelRunner(
-            model,
-            self.model_config,
-            self.kv,
-            self.device,
-            generator,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            enforce_eager=config.enforce_eager,
-        )
+        self._build(model, num_blocks)
         graph_time = self.runner.capture_graphs()
         log.info(
             "engine ready in %.2fs (weights %.2fs, graphs %.2fs): %s on %s, "
@@ -67,6 +67,22 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
+        )
+
+    def _build(self, model: torch.nn.Module, num_blocks: int) -> None:
+        """The core over a KV pool of num_blocks blocks and a model runner bound to it."""
+        config = self.config
+        self._init_core(num_blocks)
+        generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.runner = ModelRunner(
+            model,
+            self.model_config,
+            self.kv,
+            self.device,
+            generator,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=config.enforce_eager,
         )
 
     def _init_config(self, config: EngineConfig, device: torch.device) -> None:
@@ -126,26 +142,68 @@ class LLMEngine:
         return num_blocks
 
     def _profile_kv_budget(self, model: torch.nn.Module) -> int:
-        """GPU bytes left for the KV cache: the utilization share minus weights, the peak
-        activations of a full-budget step, and memory used outside this process's torch."""
-        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        """GPU bytes left for the KV cache: the utilization share less memory used outside
+        this process's torch and less all the engine holds at its peak apart from the cache.
+
+        That peak is measured, not estimated: the engine is built over a scratch KV pool
+        just big enough for its largest step, captures its decode graphs, runs that step
+        through `step` and is taken down again. The scratch pool is not counted.
+        """
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        run_profile_step(model, self.model_config, tokens, self.config.block_size, self.device)
+        prompts = profile_prompt_lengths(
+            self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len
+        )
+        blocks = sum(-(-(n + 1) // self.config.block_size) for n in prompts)
+        self._build(model, blocks)
+        self.runner.capture_graphs()
+        self._run_profile_step(prompts)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        per_block = kv_bytes_per_block(
+            self.model_config, self.config.block_size, self.model_config.dtype
+        )
+        held = torch.cuda.max_memory_reserved(self.device) - blocks * per_block
         free, total = torch.cuda.mem_get_info(self.device)
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - peak - outside_torch
+        self._take_down(model)
+        budget = int(total * self.config.gpu_memory_utilization) - held - outside_torch
         log.info(
-            "GPU memory: total %.1f GiB, weights+activations peak %.2f GiB, "
-            "other processes %.2f GiB -> KV cache %.2f GiB",
+            "GPU memory: total %.1f GiB; weights, buffers, graphs and the largest step "
+            "(%d tokens in %d sequences) %.2f GiB; outside torch %.2f GiB -> KV cache %.2f GiB",
             total / 2**30,
-            peak / 2**30,
+            sum(prompts),
+            len(prompts),
+            held / 2**30,
             outside_torch / 2**30,
             budget / 2**30,
         )
-        torch.cuda.empty_cache()
         return budget
+
+    def _run_profile_step(self, prompt_lengths: list[int]) -> None:
+        """One step of every prompt at once, each sampled with every filter and 20 logprobs
+        (the sampler's largest working set)."""
+        sp = SamplingParams(
+            temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=20, max_tokens=1
+        )
+        draw = torch.Generator().manual_seed(0)
+        for i, n in enumerate(prompt_lengths):
+            ids = torch.randint(0, self.model_config.vocab_size, (n,), generator=draw).tolist()
+            request = EngineRequest(request_id=f"profile-{i}", prompt_token_ids=ids, sampling=sp)
+            self.add_request(request)
+        seqs = [seq for seqs in self.requests.values() for seq in seqs]
+        self.step()
+        if any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in seqs):
+            raise RuntimeError("the profile batch did not fit in one step")
+        while self.has_unfinished_requests():
+            self.step()
+
+    def _take_down(self, model: torch.nn.Module) -> None:
+        """Free the runner, its graphs and its KV pool."""
+        del self.runner, self.scheduler, self.kv
+        for layer in model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+        gc.collect()
+        torch.cuda.empty_cache()
 
     # ---- requests
 

@@ -99,32 +99,6 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-@torch.inference_mode()
-def run_profile_step(
-    model: torch.nn.Module, cfg: ModelConfig, num_tokens: int, block_size: int, device
-) -> None:
-    """One forward of a num_tokens prompt through a scratch cache, to measure peak memory."""
-    blocks = -(-num_tokens // block_size)
-    shape = (2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    layers = model.attention_layers()
-    for layer in layers:
-        layer.kv_cache = torch.empty(shape, dtype=cfg.dtype, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        max_query_len=num_tokens,
-        query_lens_host=[num_tokens],
-        seq_lens_host=[num_tokens],
-    )
-    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=device)
-    hidden = model(ids, torch.arange(num_tokens, device=device), meta)
-    model.compute_logits(hidden[-256:]).float().softmax(-1)
-    for layer in layers:
-        layer.kv_cache = torch.empty(0)
-
-
 class ModelRunner:
     def __init__(
         self,
