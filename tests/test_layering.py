@@ -24,6 +24,7 @@ print(",".join(heavy) or "none")
         ["bench", "--help"],
         ["bench", "run", "--help"],
         ["frontend", "--help"],
+        ["serve", "--help"],
         ["bench", "compare", "/nonexistent/a.json", "/nonexistent/b.json"],
     ],
 )

@@ -1,10 +1,6 @@
 """The inference engine: paged KV cache, scheduler, model runner, sampler, offline API."""
 
-from shoal.engine.config import EngineConfig
-from shoal.engine.llm import LLM
-from shoal.engine.llm_engine import LLMEngine
-from shoal.engine.outputs import CompletionOutput, RequestOutput
-from shoal.protocol import SamplingParams
+from importlib import import_module
 
 __all__ = [
     "LLM",
@@ -14,3 +10,20 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+_HOMES = {
+    "LLM": "shoal.engine.llm",
+    "CompletionOutput": "shoal.engine.outputs",
+    "EngineConfig": "shoal.engine.config",
+    "LLMEngine": "shoal.engine.llm_engine",
+    "RequestOutput": "shoal.engine.outputs",
+    "SamplingParams": "shoal.protocol",
+}
+
+
+def __getattr__(name: str):
+    """The engine's public names, imported on first use: its light modules (config,
+    scheduler, block pool) load without torch."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'shoal.engine' has no attribute {name!r}")
+    return getattr(import_module(home), name)

@@ -135,7 +135,7 @@ class KvRouter(Policy):
 
     async def start(self, endpoint: EndpointClient) -> None:
         """Follow the workers of `endpoint` and their event streams."""
-        self._load_sub = EventSubscriber(LoadReport, [LOAD_TOPIC])
+        self._load_sub = EventSubscriber(LoadReport, [LOAD_TOPIC], secret=self.runtime.plane_secret)
         self._tasks.append(asyncio.create_task(self._read_load(), name="kv-router load"))
         endpoint.add_listener(self._on_instance)
         if self._sync is not None:
@@ -170,7 +170,9 @@ class KvRouter(Policy):
                 return
             self._load_sub.connect(feed.address)
             if self.use_kv_events:
-                feed.sub = EventSubscriber(KVEventBatch, [KV_EVENTS_TOPIC])
+                feed.sub = EventSubscriber(
+                    KVEventBatch, [KV_EVENTS_TOPIC], secret=self.runtime.plane_secret
+                )
                 feed.sub.connect(feed.address)
                 feed.reader = asyncio.create_task(
                     self._read_kv(feed), name=f"kv-router events {worker}"

@@ -138,8 +138,6 @@ def run_worker(args: argparse.Namespace) -> int:
         from shoal.engine.llm_engine import LLMEngine
 
         make_engine = functools.partial(LLMEngine, config)
-    # serve_worker takes advertise_host only where it differs from the bound host
-    advertise = {} if advertise_host == args.host else {"advertise_host": advertise_host}
     try:
         asyncio.run(
             serve_worker(
@@ -150,8 +148,8 @@ def run_worker(args: argparse.Namespace) -> int:
                 drain_timeout=args.drain_timeout,
                 metrics_port=args.metrics_port,
                 stats_interval=args.stats_interval,
+                advertise_host=advertise_host,
                 **runtime_options(args),
-                **advertise,
             )
         )
     except WorkerStartError as e:

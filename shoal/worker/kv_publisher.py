@@ -23,9 +23,18 @@ from shoal.runtime.event_plane import EventPublisher
 class KVPublisher:
     """Publishes one worker's KV event batches (vLLM's layout and framing) and load reports."""
 
-    def __init__(self, worker_id: str, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        host: str = "127.0.0.1",
+        *,
+        advertise_host: str | None = None,
+        secret: str | None = None,
+    ) -> None:
+        """Publish on `host` (advertised as `advertise_host` when it differs), signing every
+        message with the plane `secret` when one is set."""
         self.worker_id = worker_id
-        self._publisher = EventPublisher(host)
+        self._publisher = EventPublisher(host, advertise_host=advertise_host, secret=secret)
         self.address = self._publisher.address
         self.seq = 0  # the frame sequence number of the last KV event batch sent (from 1)
 

@@ -136,24 +136,33 @@ async def serve_worker(
     drain_timeout: float = 30.0,
     metrics_port: int | None = None,
     *,
+    advertise_host: str | None = None,
     plane_secret: str | None = None,
     dead_after: float | None = None,
     stats_interval: float = DEFAULT_STATS_INTERVAL,
 ) -> None:
     """Start the engine, register, serve until SIGTERM/SIGINT, then drain and exit.
 
-    plane_secret: shared secret of the request plane (None: off); dead_after: seconds of
-    total silence after which a peer counts as dead (None: the runtime's default, 60);
-    stats_interval: seconds between engine stats log lines (0: off). Raises SystemExit(1)
-    after withdrawing from discovery if the engine loop dies.
+    advertise_host: the host others dial when it differs from `host` (needed to bind
+    0.0.0.0); plane_secret: shared secret of the request and event planes (None: off);
+    dead_after: seconds of total silence after which a peer counts as dead (None: the
+    runtime's default, 60); stats_interval: seconds between engine stats log lines (0: off).
+    Raises SystemExit(1) after withdrawing from discovery if the engine loop dies.
     """
     loop = asyncio.get_running_loop()
     metrics = WorkerMetrics(served_model_name)
     liveness = {} if dead_after is None else {"dead_after": dead_after}
     runtime = DistributedRuntime(
-        discovery, host=host, port=port, plane_secret=plane_secret, **liveness
+        discovery,
+        host=host,
+        port=port,
+        advertise_host=advertise_host,
+        plane_secret=plane_secret,
+        **liveness,
     )
-    publisher = KVPublisher(runtime.instance_id, host)
+    publisher = KVPublisher(
+        runtime.instance_id, host, advertise_host=advertise_host, secret=plane_secret
+    )
     died = asyncio.Event()
 
     def on_step(core: LLMEngine) -> None:

@@ -14,9 +14,7 @@ from shoal.runtime import Event, EventPublisher, EventSubscriber, RuntimePlaneEr
 
 def batch(worker: str, seq: int) -> KVEventBatch:
     return KVEventBatch(
-        timestamp=time.time(),
-        seq=seq,
-        worker_id=worker,
+        ts=time.time(),
         events=[
             BlockStored(block_hashes=[seq], parent_block_hash=None, token_ids=[1, 2], block_size=2),
             BlockRemoved(block_hashes=[seq - 1]),
@@ -60,7 +58,7 @@ def test_topic_filtering_and_typed_messages() -> None:
         received = [await asyncio.wait_for(kv.recv(), 5) for _ in range(50)]
         # every kv message, in order, with this topic's consecutive sequence numbers
         assert all(e.topic == "kv.w1" for e in received)
-        assert [e.message.seq for e in received] == list(range(1, 51))
+        assert [e.message.events[0].block_hashes[0] for e in received] == list(range(1, 51))
         assert [e.seq for e in received] == list(range(start + 1, start + 51))
         assert received[0].message.events[0] == BlockStored(
             block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2
@@ -92,7 +90,7 @@ def test_one_subscriber_many_publishers_and_bounded_pending() -> None:
         seen: dict[str, list[int]] = {f"w{n}": [] for n in range(3)}
         for _ in range(900):
             event = await asyncio.wait_for(sub.recv(), 5)
-            seen[event.message.worker_id].append(event.message.seq)
+            seen[event.topic.removeprefix("kv.")].append(event.message.events[0].block_hashes[0])
         assert all(seqs == list(range(1, 301)) for seqs in seen.values())
         sub.close()
         with pytest.raises(RuntimePlaneError):

@@ -51,3 +51,36 @@ def test_worker_registers_serves_reports_metrics_and_drains(llama_dir, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_worker_bound_to_every_interface_advertises_a_routable_address(llama_dir, tmp_path):
+    argv = [sys.executable, "-m", "shoal", "worker", "--model", str(llama_dir)]
+    argv += ["--engine", "mocker", "--host", "0.0.0.0", "--discovery", f"file://{tmp_path}"]
+    proc = subprocess.Popen(argv)
+    try:
+        deadline = time.monotonic() + 60
+        while instances(tmp_path) < 1:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+
+        async def serve_through_advertised_address() -> tuple[str, str, int]:
+            runtime = DistributedRuntime(f"file://{tmp_path}")
+            client = await runtime.client(GENERATE_ENDPOINT, EngineOutput)
+            (instance,) = await client.wait_for_instances(1)
+            sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            request = EngineRequest(request_id="a", prompt_token_ids=[5, 6, 7] * 6, sampling=sp)
+            tokens = []
+            async with client.generate(instance, request) as stream:
+                async for out in stream:
+                    tokens += out.new_token_ids
+            await runtime.close()
+            return instance.address, instance.extra["kv_events"], len(tokens)
+
+        address, events, num_tokens = asyncio.run(serve_through_advertised_address())
+        assert "0.0.0.0" not in address and "0.0.0.0" not in events
+        assert num_tokens == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
