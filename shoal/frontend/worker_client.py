@@ -17,11 +17,14 @@ from shoal.router.kv_router import AllWorkersBusy
 from shoal.runtime.discovery.base import InstanceEvent
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
-from shoal.runtime.errors import BadRequestError, RuntimePlaneError
+from shoal.runtime.errors import BadRequestError, RuntimePlaneError, WorkerLostError
 
 log = logging.getLogger(__name__)
 
 BUSY_POLL = 0.02  # seconds between routing attempts while every worker is busy
+# seconds a worker whose connection closed gets no new request, unless discovery drops or
+# re-announces it sooner (by then a dead worker's lease has run out; a live one is tried again)
+LOST_HOLD = 10.0
 MIGRATION_LIMIT = 3  # Dynamo's --migration-limit default
 NEXT_TOKEN_TIMEOUT = 120.0  # seconds; generous, since a long prefill is legitimate
 _END = object()
@@ -50,10 +53,12 @@ class WorkerClient:
     """Follows the workers of the generate endpoint and streams requests to them.
 
     A worker that fails before sending anything is set aside and the request goes to another
-    one. One that fails mid-stream (lost, a stream ending without a finish, a handler error,
-    or nothing sent for `next_token_timeout` seconds) has its unfinished sequences moved to
-    another worker with the prompt plus the tokens they already produced, at most
-    `migration_limit` times per request; the caller's stream goes on without a gap.
+    one; one whose connection closed gets no new request until discovery drops or
+    re-announces it (LOST_HOLD seconds at most). One that fails mid-stream (lost, a stream
+    ending without a finish, a handler error, or nothing sent for `next_token_timeout`
+    seconds) has its unfinished sequences moved to another worker with the prompt plus the
+    tokens they already produced, at most `migration_limit` times per request; the caller's
+    stream goes on without a gap.
 
     Each request-plane stream is read by a task of its own (a stream belongs to the task that
     reads it), so callers may read the outputs from any task; the bounded queue between them
@@ -85,6 +90,7 @@ class WorkerClient:
         self.next_token_timeout = next_token_timeout
         self.endpoint: EndpointClient[EngineOutput] | None = None
         self.cards: dict[str, ModelCard] = {}  # every model a worker has served, by name
+        self.lost: dict[str, float] = {}  # instance id -> when its connection was lost
 
     async def start(self) -> WorkerClient:
         self.endpoint = await self.runtime.client(GENERATE_ENDPOINT, EngineOutput)
@@ -96,6 +102,7 @@ class WorkerClient:
         await self.policy.close()
 
     def _remember(self, event: InstanceEvent) -> None:
+        self.lost.pop(event.instance.instance_id, None)
         card = event.instance.card
         if event.kind == "added" and card is not None:
             self.cards[card.model_name] = card
@@ -106,7 +113,7 @@ class WorkerClient:
         return dict(self.cards)
 
     def live_models(self) -> list[str]:
-        """The models at least one registered worker serves now."""
+        """The models at least one registered worker serves now (lost or not)."""
         return sorted({i.card.model_name for i in self.endpoint.instances() if i.card})
 
     async def generate(
@@ -151,6 +158,8 @@ class WorkerClient:
                     continue
                 error = item if item is not _END else WorkerFailed("the stream ended early")
                 tried.add(leg.instance.instance_id)
+                if isinstance(error, WorkerLostError):
+                    self.lost[leg.instance.instance_id] = time.monotonic()
                 if not _movable(error):
                     raise _failure(error)
                 fresh = not leg.started and leg.request is request
@@ -206,10 +215,14 @@ class WorkerClient:
         busy (up to busy_wait)."""
         deadline = time.monotonic() + self.busy_wait
         while True:
+            now = time.monotonic()
             instances = [
                 i
                 for i in self.endpoint.instances()
-                if i.card and i.card.model_name == model and i.instance_id not in tried
+                if i.card
+                and i.card.model_name == model
+                and i.instance_id not in tried
+                and now - self.lost.get(i.instance_id, -LOST_HOLD) >= LOST_HOLD
             ]
             if not instances:
                 raise NoWorkerAvailable(f"no worker serves model {model!r} right now")

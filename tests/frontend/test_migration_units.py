@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from shoal.frontend import NoWorkerAvailable, WorkerFailed
+from shoal.frontend.engine_client import QueueFull
 from shoal.frontend.generation import engine_request_id
 from shoal.frontend.worker_client import WorkerClient
 from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, ModelCard, SamplingParams
+from shoal.router.kv_router import AllWorkersBusy
 from shoal.router.policies import Policy
 from shoal.runtime import DistributedRuntime, MemoryDiscovery
 from shoal.runtime.discovery import MemoryRegistry
@@ -245,6 +247,22 @@ def test_an_error_the_request_caused_does_not_move():
     policy = run(with_client(Script("refuse"), body))
     assert len(policy.selected) == 1
     check_bookkeeping(policy)
+
+
+class Busy(Recording):
+    def select(self, instances, request):
+        raise AllWorkersBusy("all 2 workers are over the busy threshold")
+
+
+def test_workers_busy_past_the_wait_is_queue_full():
+    async def body(client, runtimes):
+        client.policy = Busy()
+        start = time.monotonic()
+        with pytest.raises(QueueFull, match="busy threshold"):
+            await collect(client, request())
+        return time.monotonic() - start
+
+    assert 0.3 <= run(with_client(Script(), body, busy_wait=0.3)) < 5
 
 
 def test_options_are_checked():
