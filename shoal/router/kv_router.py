@@ -165,6 +165,8 @@ class KvRouter(Policy):
             if record.card is not None:
                 self.load.block_size = record.card.kv_block_size
                 self.load.set_capacity(worker, record.card.num_kv_blocks)
+                if isinstance(self.indexer, ApproxIndexer):
+                    self.indexer.set_capacity(worker, record.card.num_kv_blocks)
             if feed.address is None:
                 log.warning("worker %s publishes no KV events or load", worker)
                 return
@@ -224,7 +226,7 @@ class KvRouter(Policy):
                 )
             )
         if isinstance(self.indexer, ApproxIndexer):
-            self.indexer.record(worker, hashes)
+            self.indexer.record(worker, hashes, prompt_blocks)
         t2 = time.perf_counter()
         m = self.metrics
         m.routed.inc()
