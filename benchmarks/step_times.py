@@ -1,6 +1,6 @@
 """Real engine step times on the GPU: the reference the mocker's timing model is checked against.
 
-    python benchmarks/step_times.py --shape llama-3.1-8b
+    .venv/bin/python benchmarks/step_times.py --shape llama-3.1-8b
 
 Runs LLMEngine as the engine benchmark does (random weights of a real shape, async
 scheduling, CUDA graphs, a token budget of 16384) and times its `step` calls:

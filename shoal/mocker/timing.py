@@ -29,8 +29,9 @@ this project (../shared/PERFORMANCE.md, docs/gpu.md):
   per-sequence host work. Unfitted check: 1,024 such requests model 9.6k output tok/s
   against 9.2k measured.
 
-tests/mocker/test_timing.py replays these workloads through MockEngine and checks that the
-defaults reproduce the measured figures.
+tests/mocker/test_mocker_timing.py checks the defaults against single steps of the real
+engine recorded by benchmarks/step_times.py (benchmarks/results/step_times.jsonl), which
+played no part in the fit; docs/mocker.md gives the tolerances and where the model misses.
 """
 
 from __future__ import annotations
