@@ -206,6 +206,10 @@ class KvIndexer:
         held = self._held.get(worker_id)
         return 0 if held is None else len(held.count)
 
+    def num_distinct_blocks(self) -> int:
+        """Blocks held by at least one worker (each counted once)."""
+        return len(self._holders)
+
     def workers(self) -> set[str]:
         """Workers this index has heard of and not removed (some may hold no blocks)."""
         return set(self._held)
