@@ -25,6 +25,13 @@ plane's delay (events reach the router at the end of the step that made them) an
 host's time between steps. Options put each back as a fixed delay in model time (LiveEffects),
 to see which of them a live run's figures need.
 
+Router replicas (--replicas N): N router instances, as N frontends would run, take the
+arrivals in turn (round-robin); each hears every worker's KV events and load reports, and
+the first-token and finish hooks of the requests it routed. With replica sync (the
+default; --no-replica-sync turns it off) each replica's routing decisions reach the others
+--sync-delay-ms later (shoal.router.replica_sync's LoadDeltas, as the event plane would
+carry them).
+
     .venv/bin/python benchmarks/router_sim.py                        # default sweep
     .venv/bin/python benchmarks/router_sim.py --speeds 17,30 --modes round-robin,kv
     .venv/bin/python benchmarks/router_sim.py --speeds 30 --step-overhead-ms 2 --hook-delay-ms 5
@@ -33,6 +40,8 @@ to see which of them a live run's figures need.
         --arrival-jitter-ms 2
     .venv/bin/python benchmarks/router_sim.py --workload multi-turn --arrival-jitter-ms 2 \
         --repeats 10
+    .venv/bin/python benchmarks/router_sim.py --speeds 30 --modes kv --replicas 4 \
+        --sync-delay-ms 1 --arrival-jitter-ms 2 --repeats 3
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ from shoal.protocol import (
 )
 from shoal.router import make_router
 from shoal.router.kv_router import KvRouter
+from shoal.router.replica_sync import LoadDelta
 from shoal.router.selector import KvRouterConfig
 from shoal.worker.kv_publisher import load_report
 
@@ -177,6 +187,7 @@ class LiveEffects:
     hook_delay: float = 0.0  # a step's end -> the frontend has its outputs (hooks, TTFT)
     route_delay: float = 0.0  # a request's arrival -> the router routes it to a worker
     step_overhead: float = 0.0  # host time added to every engine step
+    sync_delay: float = 0.0  # a replica's routing decision -> the other replicas count it
 
 
 # Order of events due at the same time: load reports, then arrivals, then step ends.
@@ -195,21 +206,36 @@ class _Simulation:
         effects: LiveEffects,
         jitter: float = 0.0,
         seed: int = 0,
+        replicas: int = 1,
+        replica_sync: bool = True,
     ) -> None:
         self.runtime = _Runtime()
-        self.policy = make_router(
-            mode, self.runtime, kv_config=kv_config, registry=CollectorRegistry(), seed=0
-        )
-        self.kv_router = self.policy if isinstance(self.policy, KvRouter) else None
+        self.policies = [
+            make_router(
+                mode,
+                self.runtime,
+                kv_config=kv_config,
+                registry=CollectorRegistry(),
+                seed=r,
+                replica_sync=False,  # no sockets: _share carries the deltas in model time
+            )
+            for r in range(replicas)
+        ]
+        self.kv_routers = [p for p in self.policies if isinstance(p, KvRouter)]
+        if replica_sync and len(self.kv_routers) > 1:
+            for router in self.kv_routers:
+                router.share = functools.partial(self._share, router)
+        self.routed_by: dict[str, int] = {}  # request id -> the replica that routed it
+        self.next_replica = itertools.count()
         self.workload = workload
         self.engines = engines
         self.effects = effects
         self.jitter = jitter
         self.rng = random.Random(seed)  # a closed loop's send delays
         self.instances = [_instance(i, e.kv.num_blocks) for i, e in enumerate(engines)]
-        if self.kv_router is not None:
+        for router in self.kv_routers:
             for inst, engine in zip(self.instances, engines, strict=True):
-                self.kv_router.load.set_capacity(inst.instance_id, engine.kv.num_blocks)
+                router.load.set_capacity(inst.instance_id, engine.kv.num_blocks)
         self.stepping = [False] * len(engines)
         self.unfinished = workload.num_requests  # requests whose finish the frontend has not seen
         self.next_session = 0  # closed loop: the next session to start
@@ -235,7 +261,7 @@ class _Simulation:
         else:
             for _ in range(min(self.workload.concurrency, len(self.workload.sessions))):
                 self._start_next_session()
-        if self.kv_router is not None:
+        if self.kv_routers:
             self._at(self.effects.report_period, _REPORT, self._report_load)
         while self._heap:
             self.clock, _, _, callback = heapq.heappop(self._heap)
@@ -248,6 +274,12 @@ class _Simulation:
             self.workload.num_requests / self.last_finish,
             self.output_tokens / self.last_finish,
         )
+
+    def _share(self, sender: KvRouter, delta: LoadDelta) -> None:
+        """A replica's LoadDelta reaches the other replicas sync_delay later."""
+        for router in self.kv_routers:
+            if router is not sender:
+                self._after(self.effects.sync_delay, functools.partial(router.peers.apply, delta))
 
     def _at(self, time: float, kind: int, callback: Callable[[], None]) -> None:
         heapq.heappush(self._heap, (time, kind, next(self._order), callback))
@@ -286,7 +318,9 @@ class _Simulation:
             prompt_token_ids=tokens,
             sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         )
-        w = self.instances.index(self.policy.select(self.instances, request))
+        r = next(self.next_replica) % len(self.policies)
+        self.routed_by[request_id] = r
+        w = self.instances.index(self.policies[r].select(self.instances, request))
         self.runtime.requests.open[self.instances[w].address] += 1
         self.engines[w].add_request(request)
         if not self.stepping[w]:
@@ -306,10 +340,11 @@ class _Simulation:
 
     def _end_step(self, w: int, outputs: list[EngineOutput], events: list[KVEvent]) -> None:
         self.last_step_end = self.clock
-        if self.kv_router is not None and events:
+        if events:
             worker = self.instances[w].instance_id
-            apply = functools.partial(self.kv_router.indexer.apply_batch, worker, events)
-            self._after(self.effects.event_delay, apply)
+            for router in self.kv_routers:
+                apply = functools.partial(router.indexer.apply_batch, worker, events)
+                self._after(self.effects.event_delay, apply)
         if outputs:
             self._after(self.effects.hook_delay, functools.partial(self._deliver, w, outputs))
         self._begin_step(w)
@@ -322,7 +357,7 @@ class _Simulation:
                 self.ttft.append(self.clock - self.arrived.pop(rid))
                 self.hits[0] += out.num_cached_tokens
                 self.hits[1] += out.num_prompt_tokens
-                self.policy.first_token(rid)
+                self.policies[self.routed_by[rid]].first_token(rid)
             elif out.new_token_ids and rid in self.last_token:
                 self.itl.append(self.clock - self.last_token[rid])
             self.last_token[rid] = self.clock
@@ -331,7 +366,7 @@ class _Simulation:
                 self.replies[rid] += out.new_token_ids
             if out.finished:
                 self.runtime.requests.open[self.instances[w].address] -= 1
-                self.policy.finished(rid)
+                self.policies[self.routed_by.pop(rid)].finished(rid)
                 self.unfinished -= 1
                 self.last_finish = self.clock
                 self._next_turn(rid)
@@ -351,8 +386,9 @@ class _Simulation:
         """Each worker's load report, then the next round while requests are unfinished."""
         for inst, engine in zip(self.instances, self.engines, strict=True):
             report = load_report(inst.instance_id, engine)
-            apply = functools.partial(self.kv_router.load.report, report)
-            self._after(self.effects.report_delay, apply)
+            for router in self.kv_routers:
+                apply = functools.partial(router.load.report, report)
+                self._after(self.effects.report_delay, apply)
         if self.unfinished:
             self._at(self.clock + self.effects.report_period, _REPORT, self._report_load)
 
@@ -404,8 +440,13 @@ def simulate(
     effects: LiveEffects | None = None,
     jitter: float = 0.0,
     seed: int = 0,
+    replicas: int = 1,
+    replica_sync: bool = True,
 ) -> dict:
     """Route and run every request of `workload` in virtual time; its figures (_summary).
+
+    `replicas` router instances take the arrivals in turn, sharing their decisions if
+    `replica_sync` (see the module docstring).
 
     With `jitter` > 0 (seconds) each send is delayed by a uniform draw in [0, jitter),
     seeded by `seed`: an open loop's arrivals are moved (and may change order), a closed
@@ -418,7 +459,17 @@ def simulate(
     if workload.arrivals is not None and jitter > 0:
         arrivals, sessions = jittered(workload.arrivals, workload.sessions, jitter, seed)
         workload = Workload(workload.name, sessions, arrivals)
-    sim = _Simulation(mode, workload, engines, kv_config, effects or LiveEffects(), jitter, seed)
+    sim = _Simulation(
+        mode,
+        workload,
+        engines,
+        kv_config,
+        effects or LiveEffects(),
+        jitter,
+        seed,
+        replicas,
+        replica_sync,
+    )
     return sim.run()
 
 
@@ -470,6 +521,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="runs per speed and mode, each with its own jitter draws; figures are medians",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router instances (as frontends) taking the arrivals round-robin",
+    )
+    p.add_argument(
+        "--replica-sync",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kv: replicas share their routing decisions, --sync-delay-ms late",
+    )
     add_effect_args(p)
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     return p
@@ -489,8 +552,8 @@ def main() -> int:
             temperature=args.router_temperature,
         )
         effects = effects_from_args(args)
-        if args.arrival_jitter_ms < 0 or args.repeats < 1:
-            raise ValueError("--arrival-jitter-ms must be >= 0 and --repeats >= 1")
+        if args.arrival_jitter_ms < 0 or args.repeats < 1 or args.replicas < 1:
+            raise ValueError("--arrival-jitter-ms must be >= 0, --repeats >= 1 and --replicas >= 1")
         start, end = parse_rows(args.rows)
     except ValueError as e:
         p.error(str(e))
@@ -524,6 +587,11 @@ def main() -> int:
         **({"live_effects": asdict(effects)} if effects != LiveEffects() else {}),
         "arrival_jitter_ms": args.arrival_jitter_ms,
         "repeats": args.repeats,
+        **(
+            {"replicas": args.replicas, "replica_sync": args.replica_sync}
+            if args.replicas > 1
+            else {}
+        ),
     }
     rows = []
     print(
@@ -550,6 +618,8 @@ def main() -> int:
                     effects,
                     args.arrival_jitter_ms / 1e3,
                     seed,
+                    args.replicas,
+                    args.replica_sync,
                 )
                 for seed in range(args.repeats)
             ]
@@ -605,6 +675,7 @@ EFFECT_HELP = {  # LiveEffects field -> its flag's help
     "hook_delay": "from a step's end to the frontend's first-token/finish hooks and TTFT",
     "route_delay": "from a request's arrival to its routing",
     "step_overhead": "host time added to every engine step",
+    "sync_delay": "with --replicas: from a replica's routing decision to the others counting it",
 }
 
 
