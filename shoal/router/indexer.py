@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence, Set
+from itertools import groupby
 
 from shoal.kv_hash import extra_key, hash_blocks
 from shoal.protocol import (
@@ -167,9 +168,10 @@ class KvIndexer:
     def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading blocks of this chained-hash sequence it holds.
 
-        Workers holding none of the leading blocks are left out. The walk is O(1) per block
-        while a block's holders are the interned set of the workers still matching, and
-        intersects sets only where the holders change; it stops when no worker matches.
+        Workers holding none of the leading blocks are left out. The blocks' holder sets
+        are looked up and grouped into runs of one interned set in C (map, groupby), so
+        Python work is done only where the holders change: there the workers still
+        matching are intersected with the run's set. It stops when no worker matches.
         """
         holders = self._holders
         if not block_hashes or block_hashes[0] not in holders:
@@ -177,14 +179,15 @@ class KvIndexer:
         result: dict[str, int] = {}
         current = holders[block_hashes[0]]
         candidates = current.members
-        for depth in range(1, len(block_hashes)):
-            nxt = holders.get(block_hashes[depth])
+        depth = 0  # where the run starts
+        for nxt, run in groupby(map(holders.get, block_hashes)):
+            start, depth = depth, depth + len(list(run))
             if nxt is current:
                 continue
             survivors = _NONE if nxt is None else candidates & nxt.members
             if len(survivors) < len(candidates):
                 for worker_id in candidates - survivors:
-                    result[worker_id] = depth
+                    result[worker_id] = start
                 if not survivors:
                     return result
                 candidates = survivors
