@@ -71,11 +71,6 @@ metrics:
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `shoal bench` (run, compare, plot) to a `shoal` parser's subcommands."""
-    configure(subparsers.add_parser("bench"))
-
-
 def configure(bench: argparse.ArgumentParser) -> None:
     """`shoal bench`: its actions run, compare and plot."""
     bench.description = (

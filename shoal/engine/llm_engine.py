@@ -239,6 +239,7 @@ class LLMEngine:
                     extra_key=key,
                     lora_id=request.lora_id,
                     seed=None if sp.seed is None else sp.seed + i,
+                    num_output_tokens_before=request.num_output_tokens_before,
                     leader=seqs[0] if seqs and self.config.enable_prefix_caching else None,
                 )
             )

@@ -102,7 +102,7 @@ def build_app(
 
     @app.get("/health", responses={503: {"description": "No model is served"}})
     async def health() -> Response:
-        served = sorted(client.models())
+        served = client.live_models()
         if not served:
             return json_response({"status": "unavailable", "models": []}, status=503)
         return json_response({"status": "ok", "models": served})

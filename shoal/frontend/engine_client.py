@@ -37,6 +37,10 @@ class EngineClient(Protocol):
         """
         ...
 
+    def live_models(self) -> list[str]:
+        """The models some worker serves right now (what /health reports)."""
+        ...
+
     def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Stream the request's outputs (an async generator function).
 

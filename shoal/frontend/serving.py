@@ -14,8 +14,14 @@ from starlette.responses import Response
 
 from shoal.frontend import preprocess
 from shoal.frontend.disconnect import CLIENT_CLOSED_REQUEST, ClientGone, until_disconnected
-from shoal.frontend.engine_client import EngineClient, NoWorkerAvailable, WorkerFailed
-from shoal.frontend.errors import bad_request, model_not_found, no_worker, worker_failed
+from shoal.frontend.engine_client import EngineClient, NoWorkerAvailable, QueueFull, WorkerFailed
+from shoal.frontend.errors import (
+    bad_request,
+    model_not_found,
+    no_worker,
+    queue_full,
+    worker_failed,
+)
 from shoal.frontend.generation import RequestRun
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.protocol_openai import ChatCompletionRequest, CompletionRequest
@@ -38,6 +44,8 @@ def engine_errors(model: str) -> Iterator[None]:
     """The EngineClient's errors as API errors (503, 502, 400)."""
     try:
         yield
+    except QueueFull:
+        raise queue_full(model) from None
     except NoWorkerAvailable:
         raise no_worker(model) from None
     except WorkerFailed as e:

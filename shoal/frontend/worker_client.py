@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator
 import msgspec
 
 from shoal.frontend.engine_client import NoWorkerAvailable, QueueFull, WorkerFailed
+from shoal.frontend.worker_log import WorkerLog
 from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, ModelCard
 from shoal.router import make_router
 from shoal.router.kv_router import AllWorkersBusy
@@ -95,6 +96,7 @@ class WorkerClient:
     async def start(self) -> WorkerClient:
         self.endpoint = await self.runtime.client(GENERATE_ENDPOINT, EngineOutput)
         self.endpoint.add_listener(self._remember)
+        self.endpoint.add_listener(WorkerLog())
         await self.policy.start(self.endpoint)
         return self
 

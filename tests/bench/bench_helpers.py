@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
-from shoal.bench.cli import register
 from shoal.bench.client import OpenAIClient
 from shoal.bench.loadgen import LoadShape, RunResult, run_load
 from shoal.bench.vocab import Vocabulary
+from shoal.cli import build_parser
 
 
 def run_sessions(
@@ -33,7 +32,5 @@ def run_sessions(
 
 def bench_cli(*argv: str) -> int:
     """Run `shoal bench ...` in this process; returns its exit code."""
-    parser = argparse.ArgumentParser(prog="shoal")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *argv])
+    args = build_parser("bench").parse_args(list(argv))
     return args.func(args)

@@ -230,10 +230,6 @@ def test_kill_9_mid_stream_greedy_streams_complete_identical(cluster, caplog):
     kill_9_mid_stream(cluster, caplog, lambda i: GREEDY)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLMEngine.add_request must pass request.num_output_tokens_before to Request",
-)
 def test_kill_9_mid_stream_seeded_streams_continue_their_draws(cluster, caplog):
     kill_9_mid_stream(cluster, caplog, seeded)
 

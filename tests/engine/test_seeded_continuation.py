@@ -70,10 +70,6 @@ def engine_tokens(llm: LLM, request: EngineRequest) -> list[int]:
     return tokens
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLMEngine.add_request must pass request.num_output_tokens_before to Request",
-)
 @pytest.mark.parametrize(
     "params",
     [

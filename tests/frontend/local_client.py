@@ -33,6 +33,9 @@ class LocalEngineClient:
     def models(self) -> dict[str, ModelCard]:
         return {self.card.model_name: self.card}
 
+    def live_models(self) -> list[str]:
+        return [self.card.model_name]
+
     async def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput]:
         if model != self.card.model_name:
             raise NoWorkerAvailable(f"no worker serves {model!r}")
@@ -85,6 +88,9 @@ class NoWorkerClient:
     def models(self) -> dict[str, ModelCard]:
         return {self.card.model_name: self.card}
 
+    def live_models(self) -> list[str]:
+        return []
+
     async def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput]:
         raise NoWorkerAvailable(f"no worker serves {model!r} right now")
         yield  # an async generator, as the interface asks
@@ -95,6 +101,9 @@ class EmptyClient:
 
     def models(self) -> dict[str, ModelCard]:
         return {}
+
+    def live_models(self) -> list[str]:
+        return []
 
     async def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput]:
         raise NoWorkerAvailable(model)
@@ -110,6 +119,9 @@ class DyingWorkerClient:
 
     def models(self) -> dict[str, ModelCard]:
         return self.inner.models()
+
+    def live_models(self) -> list[str]:
+        return self.inner.live_models()
 
     async def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput]:
         async with contextlib.aclosing(self.inner.generate(model, request)) as stream:

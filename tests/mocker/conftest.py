@@ -39,9 +39,3 @@ def mock_dir(tmp_path_factory) -> Path:
     )
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     return path
-
-
-@pytest.fixture(scope="session")
-def llama_8b_dir(tmp_path_factory) -> Path:
-    """Llama-3.1-8B's shape with the tiny tokenizer: what the timing defaults model."""
-    return write_config_only(tmp_path_factory.mktemp("mock-8b"), LLAMA_8B)
