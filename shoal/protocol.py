@@ -273,5 +273,13 @@ class StreamError(msgspec.Struct, tag=7, array_like=True):
     message: str
 
 
+class StreamBatch(msgspec.Struct, tag=8, array_like=True):
+    """Server to client: one response of each stream in `rids`, in that order; the payload
+    frames follow the header, one per rid. A worker sends the outputs one engine step made for
+    one client as a single message."""
+
+    rids: list[int]
+
+
 ClientFrame = StreamOpen | StreamCredit | StreamCancel | Heartbeat
-ServerFrame = StreamData | StreamEnd | StreamError | Heartbeat
+ServerFrame = StreamData | StreamBatch | StreamEnd | StreamError | Heartbeat

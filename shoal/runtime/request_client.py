@@ -1,7 +1,8 @@
 """Request plane, client side: one ZMQ DEALER connection per worker, many streams over each.
 
 A connection is lost (every open stream fails with WorkerLostError, and the connection is
-dropped so the next request opens a fresh one) when the TCP link closes, when a probe after
+dropped so the next request opens a fresh one) when the TCP link closes or a connection
+attempt is refused (nothing listens at the address any more), when a probe after
 the worker's removal from discovery goes unanswered, or when the worker sends nothing at all
 for `dead_after` (default 60 s) while streams wait on it. A worker that is merely slow (a GC
 pause, a stopped process, a busy host) keeps its streams. A stream may also carry its own
@@ -28,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from shoal.protocol import (
     Heartbeat,
     ServerFrame,
+    StreamBatch,
     StreamCancel,
     StreamCredit,
     StreamData,
@@ -224,7 +226,7 @@ class _Connection:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         set_heartbeats(sock, client.heartbeat_interval, client.dead_after)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         sock.connect(address)
         self.sock = LoopSocket(sock, self._on_frames)
         self.monitor = LoopSocket(monitor, self._on_monitor)
@@ -323,16 +325,21 @@ class _Connection:
             log.warning("dropping undecodable frame from %s", self.address)
             return
         kind = type(frame)
-        if kind is StreamData:
-            stream = self.streams.get(frame.rid)
-            if stream is not None and len(frames) == 2:
-                stream._push(frames[1])
-            elif stream is not None:
+        if kind is StreamBatch:
+            if len(frames) != len(frame.rids) + 1:
+                log.warning(
+                    "dropping a StreamBatch of %d frames from %s", len(frames), self.address
+                )
+                return
+            for rid, payload in zip(frame.rids, frames[1:], strict=True):
+                self._data(rid, payload)
+        elif kind is StreamData:
+            if len(frames) == 2:
+                self._data(frame.rid, frames[1])
+            elif (stream := self.streams.get(frame.rid)) is not None:
                 self.cancel(frame.rid)
                 message = f"StreamData with {len(frames)} frames"
                 stream._finish(remote_error(self.address, "bad_request", message))
-            elif frame.rid not in self.cancelling:
-                self.cancel(frame.rid)  # a stream this side no longer knows: stop it
         elif kind is StreamEnd or kind is StreamError:
             self.cancelling.discard(frame.rid)
             stream = self.streams.pop(frame.rid, None)
@@ -344,9 +351,20 @@ class _Connection:
                 )
                 stream._finish(error)
 
+    def _data(self, rid: int, payload: bytes) -> None:
+        """One response of stream `rid`; a stream this side no longer knows is stopped."""
+        stream = self.streams.get(rid)
+        if stream is not None:
+            stream._push(payload)
+        elif rid not in self.cancelling:
+            self.cancel(rid)
+
     def _on_monitor(self, frames: list[bytes]) -> None:
-        if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
             self.lose("connection closed")
+        elif event == zmq.EVENT_CONNECT_RETRIED:  # nothing listens there: the worker is gone
+            self.lose("connection refused")
 
     async def _heartbeat(self) -> None:
         interval = self.client.heartbeat_interval

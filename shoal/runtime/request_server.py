@@ -1,8 +1,11 @@
 """Request plane, server side: one ZMQ ROUTER socket serving any number of streaming endpoints.
 
-Each stream runs its endpoint's handler in its own task. The handler's responses go out as
-StreamData frames under a credit window (the client grants more as its consumer reads), so a
-slow consumer pauses the handler instead of growing a queue. A StreamCancel, a peer whose
+Each stream of a pull endpoint runs its handler (an async iterator) in its own task, under a
+credit window (the client grants more as its consumer reads), so a slow consumer pauses the
+handler instead of growing a queue. A push endpoint's handler instead gets the stream itself
+(a StreamSink) and sends into it from callbacks, with no task per stream: the engine's output
+path, where one step produces a response for every running stream. Responses queued for one
+client in one loop iteration leave as one message (StreamBatch). A StreamCancel, a peer whose
 connection closed (or that sent nothing for `dead_after`) or a shutdown cancels the handler
 task, which lets an engine abort and free its KV blocks. Every frame is validated (and, with
 a plane secret, authenticated) before it is acted on; a bad one costs its sender an error
@@ -26,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from shoal.protocol import (
     ClientFrame,
     Heartbeat,
+    StreamBatch,
     StreamCancel,
     StreamCredit,
     StreamData,
@@ -42,7 +46,9 @@ from shoal.runtime.zmq_loop import LoopSocket
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any], AsyncIterator[Any]]
-"""An endpoint handler: takes the decoded request, yields response structs."""
+"""A pull endpoint's handler: takes the decoded request, yields response structs."""
+PushHandler = Callable[[Any, "StreamSink"], None]
+"""A push endpoint's handler: takes the decoded request and the stream to send into."""
 
 DEFAULT_MAX_STREAMS = 4096
 DEFAULT_DEAD_AFTER = 60.0  # seconds of silence after which a connected peer counts as dead
@@ -54,38 +60,74 @@ _CANCELLED = "stream cancelled on the worker"
 
 
 class _Endpoint:
-    __slots__ = ("decode", "draining", "handler", "name", "streams")
+    __slots__ = ("decode", "draining", "handler", "name", "push", "streams")
 
-    def __init__(self, name: str, handler: Handler, request_type: Any) -> None:
+    def __init__(
+        self, name: str, handler: Handler | PushHandler, request_type: Any, push: bool
+    ) -> None:
         self.name = name
         self.handler = handler
+        self.push = push
         self.decode = decoder(request_type).decode
         self.draining = False
-        self.streams: set[_Stream] = set()
+        self.streams: set[StreamSink] = set()
 
 
-class _Stream:
+class StreamSink:
+    """One open stream, as a push handler sees it: send responses, then end or fail it.
+
+    `on_cancel`, if the handler sets it, runs when the stream is cancelled before it ended
+    (the client cancelled or vanished, or the server shuts down).
+    """
+
     __slots__ = (
+        "_server",
         "cancel_reply",
         "credits",
-        "data_header",
         "endpoint",
+        "on_cancel",
         "peer",
         "rid",
         "task",
         "waiter",
     )
 
-    def __init__(self, peer: bytes, rid: int, endpoint: _Endpoint, window: int) -> None:
+    def __init__(
+        self, server: RequestServer, peer: bytes, rid: int, endpoint: _Endpoint, window: int
+    ) -> None:
+        self._server = server
         self.peer = peer
         self.rid = rid
         self.endpoint = endpoint
         self.credits = window
-        self.data_header = ENCODER.encode(StreamData(rid))
         # the final frame if the handler task is cancelled; None only when the peer is gone
         self.cancel_reply: bytes | None = _error_frame(rid, "handler", _CANCELLED)
+        self.on_cancel: Callable[[], None] | None = None
         self.waiter: asyncio.Future[None] | None = None
-        self.task: asyncio.Task[bytes | None] | None = None
+        # the stream's handler task (pull) or completion future (push): its result is the
+        # final frame to send
+        self.task: asyncio.Future[bytes | None] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def send(self, response: Any) -> None:
+        """Queue one response (dropped once the stream has ended)."""
+        if self.open:
+            self._server._queue_data(self, ENCODER.encode(response))
+
+    def end(self) -> None:
+        """End the stream after the responses sent so far."""
+        self._finish(ENCODER.encode(StreamEnd(self.rid)))
+
+    def fail(self, code: str, message: str) -> None:
+        """End the stream with an error (after the responses sent so far)."""
+        self._finish(_error_frame(self.rid, code, message))
+
+    def _finish(self, frame: bytes) -> None:
+        if self.open:
+            self.task.set_result(frame)  # type: ignore[union-attr]
 
 
 def _error_frame(rid: int, code: str, message: str) -> bytes:
@@ -124,7 +166,7 @@ class RequestServer:
         self._signer = make_signer(secret)
         self._context = context or zmq.Context.instance()
         self._endpoints: dict[str, _Endpoint] = {}
-        self._peers: dict[bytes, dict[int, _Stream]] = {}
+        self._peers: dict[bytes, dict[int, StreamSink]] = {}
         self._last_seen: dict[bytes, float] = {}
         self._fd_peer: dict[int, bytes] = {}  # connection file descriptor -> its peer
         self._num_streams = 0
@@ -134,6 +176,10 @@ class RequestServer:
         self._janitor_task: asyncio.Task[None] | None = None
         self._decode_frame = decoder(ClientFrame).decode
         self._address = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # responses queued this loop iteration, per peer: (stream ids, payloads)
+        self._pending: dict[bytes, tuple[list[int], list[bytes]]] = {}
+        self._flush_scheduled = False
 
     @property
     def address(self) -> str:
@@ -151,6 +197,7 @@ class RequestServer:
         if self._sock is not None:
             return self._address
         self._closing = False
+        self._loop = asyncio.get_running_loop()
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Memory is bounded by credit windows and max_streams, not by dropping frames.
@@ -167,13 +214,19 @@ class RequestServer:
         return self._address
 
     def add_endpoint(
-        self, endpoint: str | EndpointAddress, handler: Handler, request_type: Any
+        self,
+        endpoint: str | EndpointAddress,
+        handler: Handler | PushHandler,
+        request_type: Any,
+        *,
+        push: bool = False,
     ) -> None:
-        """Serve `endpoint`: requests are decoded as `request_type` and passed to `handler`."""
+        """Serve `endpoint`: requests are decoded as `request_type` and passed to `handler`
+        (with push, together with the StreamSink to send into)."""
         name = str(EndpointAddress.parse(endpoint))
         if name in self._endpoints:
             raise ValueError(f"endpoint {name} is already served")
-        self._endpoints[name] = _Endpoint(name, handler, request_type)
+        self._endpoints[name] = _Endpoint(name, handler, request_type, push)
 
     async def remove_endpoint(
         self, endpoint: str | EndpointAddress, drain_timeout: float = 0.0
@@ -204,7 +257,7 @@ class RequestServer:
         self._sock.close(linger_ms=500)
         self._sock = None
 
-    async def _drain(self, streams: list[_Stream], timeout: float) -> None:
+    async def _drain(self, streams: list[StreamSink], timeout: float) -> None:
         tasks = [st.task for st in streams if st.task is not None]
         if not tasks:
             return
@@ -216,7 +269,40 @@ class RequestServer:
                 st.task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _queue_data(self, st: StreamSink, payload: bytes) -> None:
+        """Queue one response of `st`; a peer's responses of one loop iteration go together."""
+        pending = self._pending.get(st.peer)
+        if pending is None:
+            pending = self._pending[st.peer] = ([], [])
+            if not self._flush_scheduled and self._loop is not None:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+        pending[0].append(st.rid)
+        pending[1].append(payload)
+
+    def _flush(self) -> None:
+        """Send every peer's queued responses, one message per peer."""
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for peer, (rids, payloads) in pending.items():
+            self._send_batch(peer, rids, payloads)
+
+    def _send_batch(self, peer: bytes, rids: list[int], payloads: list[bytes]) -> None:
+        if len(rids) == 1:
+            frames = [peer, ENCODER.encode(StreamData(rids[0])), payloads[0]]
+        else:
+            frames = [peer, ENCODER.encode(StreamBatch(rids)), *payloads]
+        if not self._send_now(frames):
+            self._drop_peer(peer)
+
     def _send(self, frames: list[bytes]) -> bool:
+        """Queue [peer, *frames] after the peer's queued responses; False if the peer is gone."""
+        pending = self._pending.pop(frames[0], None)
+        if pending is not None:
+            self._send_batch(frames[0], *pending)
+        return self._send_now(frames)
+
+    def _send_now(self, frames: list[bytes]) -> bool:
         """Queue [peer, *frames] (signed when a secret is set); False if the peer is gone.
 
         Sends never block (HWM 0).
@@ -305,7 +391,7 @@ class RequestServer:
                     log.info("client %r disconnected: cancelling its streams", peer)
                     self._drop_peer(peer)
 
-    def _find(self, peer: bytes, rid: int) -> _Stream | None:
+    def _find(self, peer: bytes, rid: int) -> StreamSink | None:
         streams = self._peers.get(peer)
         return None if streams is None else streams.get(rid)
 
@@ -334,16 +420,25 @@ class RequestServer:
             self._send([peer, _error_frame(rid, *error)])
             return
         assert served is not None
-        st = _Stream(peer, rid, served, frame.window)
+        st = StreamSink(self, peer, rid, served, frame.window)
         if streams is None:
             streams = self._peers[peer] = {}
         streams[rid] = st
         served.streams.add(st)
         self._num_streams += 1
-        st.task = asyncio.create_task(self._run(st, request))
+        if not served.push:
+            st.task = asyncio.create_task(self._run(st, request))
+            st.task.add_done_callback(functools.partial(self._finished, st))
+            return
+        st.task = asyncio.get_running_loop().create_future()
         st.task.add_done_callback(functools.partial(self._finished, st))
+        try:
+            served.handler(request, st)
+        except Exception as exc:
+            log.warning("handler of %s failed", served.name, exc_info=True)
+            st.fail("handler", f"{type(exc).__name__}: {exc}")
 
-    async def _run(self, st: _Stream, request: Any) -> bytes | None:
+    async def _run(self, st: StreamSink, request: Any) -> bytes | None:
         """Serve one stream; returns the final frame to send (None when the peer is gone)."""
         try:
             return await self._pump(st, request)
@@ -355,14 +450,19 @@ class RequestServer:
             log.warning("handler of %s failed", st.endpoint.name, exc_info=True)
             return _error_frame(st.rid, "handler", f"{type(exc).__name__}: {exc}")
 
-    def _finished(self, st: _Stream, task: asyncio.Task[bytes | None]) -> None:
+    def _finished(self, st: StreamSink, task: asyncio.Future[bytes | None]) -> None:
         # a done callback, so it also runs for a task cancelled before it started
         self._forget(st)
+        if task.cancelled() and st.on_cancel is not None:
+            try:
+                st.on_cancel()
+            except Exception:
+                log.exception("on_cancel of a %s stream failed", st.endpoint.name)
         reply = st.cancel_reply if task.cancelled() else task.result()
         if reply is not None:
             self._send([st.peer, reply])
 
-    async def _pump(self, st: _Stream, request: Any) -> bytes | None:
+    async def _pump(self, st: StreamSink, request: Any) -> bytes | None:
         """Run the handler, sending each response; the final frame to send, or None."""
         responses = st.endpoint.handler(request)
         encode = ENCODER.encode
@@ -373,16 +473,14 @@ class RequestServer:
                     st.waiter = loop.create_future()
                     await st.waiter
                 st.credits -= 1
-                if not self._send([st.peer, st.data_header, encode(response)]):
-                    self._drop_peer(st.peer, keep=st)
-                    return None
+                self._queue_data(st, encode(response))
             return ENCODER.encode(StreamEnd(st.rid))
         finally:
             aclose = getattr(responses, "aclose", None)
             if aclose is not None:
                 await aclose()
 
-    def _forget(self, st: _Stream) -> None:
+    def _forget(self, st: StreamSink) -> None:
         streams = self._peers.get(st.peer)
         if streams is not None and streams.get(st.rid) is st:
             del streams[st.rid]
@@ -391,10 +489,10 @@ class RequestServer:
         st.endpoint.streams.discard(st)
         self._num_streams -= 1
 
-    def _drop_peer(self, peer: bytes, keep: _Stream | None = None) -> None:
-        """Cancel every stream of a peer that is gone (except `keep`, which ends by itself)."""
+    def _drop_peer(self, peer: bytes) -> None:
+        """Cancel every stream of a peer that is gone."""
         for st in list(self._peers.get(peer, {}).values()):
-            if st is not keep and st.task is not None:
+            if st.task is not None:
                 st.cancel_reply = None
                 st.task.cancel()
 
