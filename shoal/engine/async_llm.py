@@ -2,7 +2,9 @@
 
 The engine steps in its own thread, so the event loop never waits on a model step and a
 step never waits on the network. Requests and aborts reach the thread through a queue;
-outputs come back to each request's asyncio queue.
+each step's outputs come back to the event loop in one callback, which hands each to its
+request: an asyncio queue (`generate`) or the caller's callbacks (`open`, no task per
+request: the serving path, where one step makes an output for every running request).
 
 A failure never leaves a stream waiting: a request the engine refuses (or chokes on while
 adding it) fails alone; a step that raises fails the requests it held (they are aborted,
@@ -44,7 +46,7 @@ class EngineStepError(RuntimeError):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    put: Callable[[EngineOutput | BaseException], None]  # runs in `loop`
     num_seqs: int
     num_finished: int = 0
 
@@ -90,13 +92,14 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), request.sampling.n)
+        outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        stream = _Stream(loop, outputs.put_nowait, request.sampling.n)
         self._streams[request_id] = stream
         done = False
         try:
             self._submit(("add", request))
             while not done:
-                item = await stream.queue.get()
+                item = await outputs.get()
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -109,6 +112,52 @@ class AsyncLLM:
                 await self.abort(request_id)
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
+
+    def open(
+        self,
+        request: EngineRequest,
+        on_output: Callable[[EngineOutput, bool], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        """Start a request whose outputs go to callbacks in the calling event loop.
+
+        on_output(output, last) runs for each output (`last`: the request's final one);
+        on_error(exc) ends it instead, with the errors `generate` raises. cancel() stops it.
+        Raises ValueError for a request id already streaming, EngineDeadError if the engine
+        died.
+        """
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        streams = self._streams
+
+        def put(item: EngineOutput | BaseException) -> None:
+            if streams.get(request_id) is not stream:
+                return  # cancelled, or already ended
+            if isinstance(item, BaseException):
+                del streams[request_id]
+                on_error(item)
+                return
+            last = False
+            if item.finished:
+                stream.num_finished += 1
+                last = stream.num_finished == stream.num_seqs
+                if last:
+                    del streams[request_id]
+            on_output(item, last)
+
+        stream = _Stream(asyncio.get_running_loop(), put, request.sampling.n)
+        streams[request_id] = stream
+        try:
+            self._submit(("add", request))
+        except BaseException:
+            del streams[request_id]
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        """Stop an `open` request: no more callbacks, and the engine aborts it."""
+        if self._streams.pop(request_id, None) is not None:
+            self._submit(("abort", request_id, None), raise_if_dead=False)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once the engine has freed its KV blocks."""
@@ -214,7 +263,8 @@ class AsyncLLM:
         elif command[0] == "abort":
             _, request_id, freed = command
             self.engine.abort(request_id)
-            _settle(freed, None, None)
+            if freed is not None:
+                _settle(freed, None, None)
         elif command[0] == "call":
             _, fn, done = command
             try:
@@ -231,7 +281,7 @@ class AsyncLLM:
         self._fail_streams(error)
         while not self._commands.empty():
             command = self._commands.get()
-            if command[0] == "abort":
+            if command[0] == "abort" and command[2] is not None:
                 _settle(command[2], None, None)
             elif command[0] == "call":
                 _settle(command[2], None, error)
@@ -246,13 +296,31 @@ class AsyncLLM:
             self._send(request_id, error)
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
+        """Hand a step's outputs to their streams: one callback per event loop, not per output
+        (each call_soon_threadsafe wakes the loop through a socket write)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        streams = self._streams
         for out in outputs:
-            self._send(out.request_id, out)
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                batch = batches.get(stream.loop)
+                if batch is None:
+                    batch = batches[stream.loop] = []
+                batch.append((stream.put, out))
+        for loop, batch in batches.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_dispatch, batch)
 
     def _send(self, request_id: str, item: EngineOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None and not stream.loop.is_closed():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.put, item)
+
+
+def _dispatch(batch: list) -> None:
+    """Run in the event loop: give each (put, output) pair of a step its output."""
+    for put, out in batch:
+        put(out)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

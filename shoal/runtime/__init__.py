@@ -27,7 +27,7 @@ from shoal.runtime.errors import (
 )
 from shoal.runtime.event_plane import Event, EventPublisher, EventSubscriber
 from shoal.runtime.request_client import RequestClient, ResponseStream
-from shoal.runtime.request_server import Handler, RequestServer
+from shoal.runtime.request_server import Handler, PushHandler, RequestServer, StreamSink
 
 __all__ = [
     "BadRequestError",
@@ -49,12 +49,14 @@ __all__ = [
     "MemoryDiscovery",
     "NoInstancesError",
     "OverloadedError",
+    "PushHandler",
     "RemoteError",
     "RequestClient",
     "RequestServer",
     "ResponseStream",
     "RuntimePlaneError",
     "ServedEndpoint",
+    "StreamSink",
     "StreamTimeoutError",
     "UnauthorizedError",
     "WorkerLostError",

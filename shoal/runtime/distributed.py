@@ -18,6 +18,7 @@ from shoal.runtime.request_server import (
     DEFAULT_DEAD_AFTER,
     DEFAULT_MAX_STREAMS,
     Handler,
+    PushHandler,
     RequestServer,
 )
 
@@ -93,16 +94,18 @@ class DistributedRuntime:
     async def serve_endpoint(
         self,
         endpoint: str | EndpointAddress,
-        handler: Handler,
+        handler: Handler | PushHandler,
         request_type: Any,
         *,
+        push: bool = False,
         card: ModelCard | None = None,
         extra: dict[str, str] | None = None,
     ) -> ServedEndpoint:
-        """Serve `handler` on `endpoint` and register this instance (with `card`, `extra`)."""
+        """Serve `handler` on `endpoint` and register this instance (with `card`, `extra`);
+        `push`: the handler sends into a StreamSink (see RequestServer.add_endpoint)."""
         name = str(EndpointAddress.parse(endpoint))
         address = await self.server.start()
-        self.server.add_endpoint(name, handler, request_type)
+        self.server.add_endpoint(name, handler, request_type, push=push)
         record = InstanceRecord(
             instance_id=self.instance_id,
             endpoint=name,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +25,8 @@ from shoal.protocol import (
     ModelCard,
 )
 from shoal.runtime.distributed import DistributedRuntime
-from shoal.runtime.errors import InstanceUnavailableError
+from shoal.runtime.errors import SHUTDOWN_CODE
+from shoal.runtime.request_server import StreamSink
 from shoal.worker.kv_publisher import KVPublisher
 from shoal.worker.metrics import StatsLogger, WorkerMetrics
 
@@ -78,23 +80,45 @@ class Worker:
             num_kv_blocks=core.kv.num_blocks,
         )
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """The endpoint handler; a request the engine refuses ends with its error message.
+    def generate(self, request: EngineRequest, sink: StreamSink) -> None:
+        """The endpoint's push handler: each engine output goes straight into the stream.
 
-        A request whose engine step failed ends with an error too; if the engine died, the
-        stream ends as if the worker shut down, so the request can move elsewhere.
+        A request the engine refuses ends with its error message; one whose engine step
+        failed ends with a handler error; if the engine died, the stream ends as if the worker
+        shut down, so the request can move elsewhere. Cancelling the stream aborts it.
         """
+        request_id = request.request_id
         count = self.stats.count_generated
+
+        def on_output(out: EngineOutput, last: bool) -> None:
+            count(len(out.new_token_ids))
+            sink.send(out)
+            if last:
+                sink.end()
+
+        def on_error(exc: BaseException) -> None:
+            if isinstance(exc, EngineDeadError):
+                sink.fail(SHUTDOWN_CODE, str(exc))
+            elif isinstance(exc, ValueError):
+                refuse(exc)
+            else:
+                sink.fail("handler", f"{type(exc).__name__}: {exc}")
+
+        def refuse(exc: ValueError) -> None:
+            sink.send(EngineOutput(request_id=request_id, finish_reason="error", error=str(exc)))
+            sink.end()
+
         try:
             check_request(request, self.vocab_size)
-            self.stats.count_prompt(len(request.prompt_token_ids))
-            async for out in self.engine.generate(request):
-                count(len(out.new_token_ids))
-                yield out
-        except EngineDeadError as e:
-            raise InstanceUnavailableError(str(e)) from e
+            self.engine.open(request, on_output, on_error)
         except ValueError as e:
-            yield EngineOutput(request_id=request.request_id, finish_reason="error", error=str(e))
+            refuse(e)
+            return
+        except EngineDeadError as e:
+            sink.fail(SHUTDOWN_CODE, str(e))
+            return
+        self.stats.count_prompt(len(request.prompt_token_ids))
+        sink.on_cancel = functools.partial(self.engine.cancel, request_id)
 
     async def kv_state(self, request: KVStateRequest) -> AsyncIterator[KVStateDump]:
         """The resync endpoint: one dump of every block the engine caches."""
@@ -188,6 +212,7 @@ async def serve_worker(
         GENERATE_ENDPOINT,
         worker.generate,
         EngineRequest,
+        push=True,
         card=worker.card,
         extra={"kv_events": publisher.address},
     )

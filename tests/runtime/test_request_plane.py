@@ -419,3 +419,70 @@ def test_drain_finishes_open_streams_and_refuses_new_ones() -> None:
         await client.close()
 
     run(main())
+
+
+class StepEngine:
+    """A push endpoint fed like the worker's: every 'step' gives each open stream one output."""
+
+    def __init__(self) -> None:
+        self.sinks: dict[str, tuple] = {}
+        self.cancelled: list[str] = []
+        self.messages = 0
+
+    def handler(self, req: EngineRequest, sink) -> None:
+        self.sinks[req.request_id] = (sink, req.sampling.max_tokens, [0])
+        sink.on_cancel = lambda: self.cancelled.append(req.request_id)
+
+    def step(self) -> None:
+        for rid, (sink, n, done) in list(self.sinks.items()):
+            i = done[0]
+            done[0] += 1
+            last = done[0] == n
+            sink.send(
+                EngineOutput(
+                    request_id=rid, new_token_ids=[i], finish_reason="length" if last else None
+                )
+            )
+            if last:
+                sink.end()
+                del self.sinks[rid]
+
+
+def test_push_endpoint_sends_each_step_as_one_message_per_client() -> None:
+    async def main() -> None:
+        engine = StepEngine()
+        server = RequestServer()
+        await server.start()
+        server.add_endpoint(ENDPOINT, engine.handler, EngineRequest, push=True)
+        client = RequestClient()
+        streams = [
+            client.stream(server.address, ENDPOINT, request(f"r{i}", 5), EngineOutput)
+            for i in range(20)
+        ]
+        streams.append(client.stream(server.address, ENDPOINT, request("cut", 100), EngineOutput))
+        await wait_until(lambda: len(engine.sinks) == 21, timeout=5)
+        sent: list[list[bytes]] = []
+        send_now = server._send_now
+
+        def counting(frames: list[bytes]) -> bool:
+            sent.append(frames)
+            return send_now(frames)
+
+        server._send_now = counting
+        for _ in range(5):
+            engine.step()
+            await asyncio.sleep(0.01)
+        outs = [[o.new_token_ids[0] async for o in s] for s in streams[:20]]
+        assert outs == [[0, 1, 2, 3, 4]] * 20
+        batches = [msgspec.msgpack.decode(f[1], type=ServerFrame) for f in sent]
+        data = [b for b in batches if isinstance(b, StreamBatch)]
+        assert len(data) == 5 and all(len(b.rids) == 21 for b in data)  # one message a step
+        cut = streams[20]
+        assert [o.new_token_ids[0] for o in [await anext(cut) for _ in range(5)]] == list(range(5))
+        cut.cancel()
+        await wait_until(lambda: engine.cancelled == ["cut"], timeout=5)
+        assert server.num_streams == 0
+        await client.close()
+        await server.stop()
+
+    run(main())
