@@ -19,6 +19,7 @@ from shoal.engine.cli import add_engine_args, engine_argv
 from shoal.flags import Flag, FlagGroup, FlagParser, flag_argv
 from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontend
 from shoal.mocker.cli import MOCKER
+from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, PLANE_SECRET, RUNTIME, setup_logging
 from shoal.worker.cli import ENGINE_CHOICE, MODEL_NAME, add_engine_choice_args
 
@@ -233,7 +234,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     exit_on_sigterm()
     try:
-        asyncio.run(_serve(args, discovery, pool))
+        event_loop.run(_serve(args, discovery, pool))
     finally:
         pool.stop(args.shutdown_timeout)
         if folder is not None:

@@ -12,6 +12,7 @@ from shoal.frontend.app import MAX_REQUEST_BODY_BYTES
 from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST
 from shoal.frontend.worker_client import MIGRATION_LIMIT, NEXT_TOKEN_TIMEOUT
 from shoal.router.cli import ROUTER, router_options
+from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
 
 FRONTEND = FlagGroup(
@@ -102,7 +103,7 @@ def run_frontend_command(args: argparse.Namespace) -> int:
     if not args.discovery:
         raise SystemExit("--discovery is required for a standalone frontend (or use `shoal serve`)")
     exit_on_sigterm()
-    asyncio.run(serve_frontend(args, args.discovery))
+    event_loop.run(serve_frontend(args, args.discovery))
     return 0
 
 

@@ -18,7 +18,12 @@ from shoal.router.kv_router import AllWorkersBusy
 from shoal.runtime.discovery.base import InstanceEvent
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
-from shoal.runtime.errors import BadRequestError, RuntimePlaneError, WorkerLostError
+from shoal.runtime.errors import (
+    BadRequestError,
+    RuntimePlaneError,
+    StreamTimeoutError,
+    WorkerLostError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -238,24 +243,14 @@ class WorkerClient:
     async def _read(self, leg: _Leg, queue: asyncio.Queue) -> None:
         """Put each output of the leg's stream on `queue`, then _END or the error; waiting
         for the queue does not count against the next-token deadline."""
-        loop = asyncio.get_running_loop()
         limit = self.next_token_timeout
         try:
-            async with (
-                self.endpoint.generate(leg.instance, leg.request) as stream,
-                asyncio.timeout(None) as deadline,
-            ):
-                outputs = aiter(stream)
-                while True:
-                    deadline.reschedule(loop.time() + limit)
-                    try:
-                        out = await anext(outputs)
-                    except StopAsyncIteration:
-                        break
-                    deadline.reschedule(None)
+            stream = self.endpoint.generate(leg.instance, leg.request, next_timeout=limit)
+            async with stream:
+                async for out in stream:
                     await queue.put((leg, out))
             item = _END
-        except TimeoutError:
+        except StreamTimeoutError:
             item = NextTokenTimeout(f"no output from the worker for {limit:g}s")
         except Exception as e:
             item = e

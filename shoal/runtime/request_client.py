@@ -64,8 +64,10 @@ class ResponseStream(Generic[T]):
     reads it: calling cancel(), leaving `async with`, dropping the stream, or the end of that
     task (cancelled or not) before the stream's end cancels the handler on the worker.
 
-    `next_timeout` (seconds, None for none; settable at any time) bounds each wait for the
-    next response: when it passes, the stream is cancelled and raises StreamTimeoutError.
+    `next_timeout` (seconds, None for none; a change applies from the next wait) bounds
+    each wait for the next response: when it passes, the stream is cancelled and raises
+    StreamTimeoutError. One timer per stream checks it, re-armed only when it fires: a
+    response costs no timer.
     """
 
     __slots__ = (
@@ -79,7 +81,9 @@ class ResponseStream(Generic[T]):
         "_owner",
         "_owner_callback",
         "_rid",
+        "_timer",
         "_unacked",
+        "_wait_start",
         "_waiter",
         "endpoint",
         "next_timeout",
@@ -107,6 +111,8 @@ class ResponseStream(Generic[T]):
         self._unacked = 0
         self._owner: asyncio.Task[Any] | None = None
         self._owner_callback: Callable[[asyncio.Task[Any]], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._wait_start = 0.0
 
     def __aiter__(self) -> ResponseStream[T]:
         return self
@@ -123,19 +129,16 @@ class ResponseStream(Generic[T]):
                 raise StopAsyncIteration
             loop = self._conn.loop
             waiter = self._waiter = loop.create_future()
-            timer = (
-                None
-                if self.next_timeout is None
-                else loop.call_later(self.next_timeout, self._expire, waiter)
-            )
+            if self.next_timeout is not None:
+                self._wait_start = loop.time()
+                if self._timer is None:
+                    due = self._wait_start + self.next_timeout
+                    self._timer = loop.call_at(due, self._check_deadline)
             try:
                 await waiter
             except (asyncio.CancelledError, StreamTimeoutError):
                 self.cancel()
                 raise
-            finally:
-                if timer is not None:
-                    timer.cancel()
         payload = items.popleft()
         if not self._done:
             self._unacked += 1
@@ -151,6 +154,7 @@ class ResponseStream(Generic[T]):
     def cancel(self) -> None:
         """Stop the stream: the worker cancels its handler; iteration ends."""
         self._unbind_owner()
+        self._stop_timer()
         if self._done:
             return
         self._done = True
@@ -192,12 +196,27 @@ class ResponseStream(Generic[T]):
         self._done = True
         self._error = error
         self._unbind_owner()  # the worker is done with it: nothing left to cancel
+        self._stop_timer()
         self._wake()
 
-    def _expire(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
-            reason = f"no response for {self.next_timeout:.1f}s on stream {self._rid}"
-            waiter.set_exception(StreamTimeoutError(self._conn.address, reason))
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_deadline(self) -> None:
+        """The stream's timer: fail the wait in progress if it is over next_timeout, else
+        re-arm for when it would be (no wait in progress: the next wait arms a new one)."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done() or self.next_timeout is None:
+            return
+        due = self._wait_start + self.next_timeout
+        if self._conn.loop.time() < due:
+            self._timer = self._conn.loop.call_at(due, self._check_deadline)
+            return
+        reason = f"no response for {self.next_timeout:.1f}s on stream {self._rid}"
+        waiter.set_exception(StreamTimeoutError(self._conn.address, reason))
 
     def _wake(self) -> None:
         waiter = self._waiter

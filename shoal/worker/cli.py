@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import logging
 import socket
@@ -12,6 +11,7 @@ import sys
 from shoal.engine.cli import add_engine_args, engine_options
 from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.mocker.cli import MOCKER, mocker_options
+from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
 
 ENGINES = ("shoal", "mocker")
@@ -139,7 +139,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         make_engine = functools.partial(LLMEngine, config)
     try:
-        asyncio.run(
+        event_loop.run(
             serve_worker(
                 functools.partial(_build_engine, make_engine),
                 args.served_model_name or args.model,
