@@ -274,11 +274,12 @@ class StreamError(msgspec.Struct, tag=7, array_like=True):
 
 
 class StreamBatch(msgspec.Struct, tag=8, array_like=True):
-    """Server to client: one response of each stream in `rids`, in that order; the payload
-    frames follow the header, one per rid. A worker sends the outputs one engine step made for
-    one client as a single message."""
+    """Server to client: one response of each stream in `rids`, in that order, each the
+    endpoint's response struct as msgpack. A worker sends the outputs one engine step made for
+    one client as this one frame."""
 
     rids: list[int]
+    payloads: list[msgspec.Raw]
 
 
 ClientFrame = StreamOpen | StreamCredit | StreamCancel | Heartbeat

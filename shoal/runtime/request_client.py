@@ -104,7 +104,7 @@ class ResponseStream(Generic[T]):
         self.endpoint = endpoint
         self._decode = decode
         self._credit_every = credit_every
-        self._items: collections.deque[bytes] = collections.deque()
+        self._items: collections.deque[bytes | msgspec.Raw] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
         self._error: BaseException | None = None
@@ -188,7 +188,7 @@ class ResponseStream(Generic[T]):
             self._owner.remove_done_callback(self._owner_callback)
             self._owner = None
 
-    def _push(self, payload: bytes) -> None:
+    def _push(self, payload: bytes | msgspec.Raw) -> None:
         self._items.append(payload)
         self._wake()
 
@@ -345,12 +345,10 @@ class _Connection:
             return
         kind = type(frame)
         if kind is StreamBatch:
-            if len(frames) != len(frame.rids) + 1:
-                log.warning(
-                    "dropping a StreamBatch of %d frames from %s", len(frames), self.address
-                )
+            if len(frames) != 1 or len(frame.payloads) != len(frame.rids):
+                log.warning("dropping a malformed StreamBatch from %s", self.address)
                 return
-            for rid, payload in zip(frame.rids, frames[1:], strict=True):
+            for rid, payload in zip(frame.rids, frame.payloads, strict=True):
                 self._data(rid, payload)
         elif kind is StreamData:
             if len(frames) == 2:
@@ -370,7 +368,7 @@ class _Connection:
                 )
                 stream._finish(error)
 
-    def _data(self, rid: int, payload: bytes) -> None:
+    def _data(self, rid: int, payload: bytes | msgspec.Raw) -> None:
         """One response of stream `rid`; a stream this side no longer knows is stopped."""
         stream = self.streams.get(rid)
         if stream is not None:

@@ -291,7 +291,8 @@ class RequestServer:
         if len(rids) == 1:
             frames = [peer, ENCODER.encode(StreamData(rids[0])), payloads[0]]
         else:
-            frames = [peer, ENCODER.encode(StreamBatch(rids)), *payloads]
+            batch = StreamBatch(rids, [msgspec.Raw(payload) for payload in payloads])
+            frames = [peer, ENCODER.encode(batch)]
         if not self._send_now(frames):
             self._drop_peer(peer)
 

@@ -297,10 +297,11 @@ def test_wire_frames_are_msgspec_and_never_pickle(monkeypatch: pytest.MonkeyPatc
                 break
             if isinstance(header, StreamData):
                 assert header.rid == 1 and len(frames) == 2
-            else:  # responses queued in one loop iteration travel together
+                outs.append(output_dec.decode(frames[1]))
+            else:  # responses queued in one loop iteration travel together, in one frame
                 assert isinstance(header, StreamBatch) and set(header.rids) == {1}
-                assert len(frames) == len(header.rids) + 1
-            outs += [output_dec.decode(frame) for frame in frames[1:]]
+                assert len(frames) == 1 and len(header.payloads) == len(header.rids)
+                outs += [output_dec.decode(payload) for payload in header.payloads]
         assert [o.new_token_ids[0] for o in outs] == [0, 1, 2, 3, 4]
         raw.close(linger=0)
 
