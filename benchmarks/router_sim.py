@@ -77,12 +77,12 @@ from shoal.protocol import (
     EngineRequest,
     InstanceRecord,
     KVEvent,
+    LoadDelta,
     ModelCard,
     SamplingParams,
 )
 from shoal.router import make_router
 from shoal.router.kv_router import KvRouter
-from shoal.router.replica_sync import LoadDelta
 from shoal.router.selector import KvRouterConfig
 from shoal.worker.kv_publisher import load_report
 

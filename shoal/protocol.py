@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import msgspec
 
 # The endpoint every engine worker serves and every frontend calls.
@@ -197,6 +199,26 @@ class KVStateDump(msgspec.Struct, kw_only=True):
     seq: int
     block_size: int
     block_hashes: list[int]
+
+
+# Router replicas share the load they add to workers (shoal/router/replica_sync.py): each
+# replica publishes LoadDeltas on this topic of its own event-plane publisher.
+ROUTER_LOAD_TOPIC = "router-load"
+
+
+class LoadDelta(msgspec.Struct, array_like=True, gc=False):
+    """One router replica's change to the load it puts on a worker."""
+
+    ROUTED: ClassVar[int] = 0  # sent to `worker_id`, holding `blocks`, to prefill `prefill_tokens`
+    FIRST_TOKEN: ClassVar[int] = 1  # its prefill is over
+    FINISHED: ClassVar[int] = 2  # it ended
+
+    replica_id: str
+    kind: int  # ROUTED, FIRST_TOKEN or FINISHED
+    request_id: str
+    worker_id: str = ""  # ROUTED: where it went
+    blocks: int = 0  # ROUTED: KV blocks it will hold there
+    prefill_tokens: int = 0  # ROUTED: prompt tokens it must prefill there
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,13 @@ FRONTEND = FlagGroup(
     (
         Flag("host", "HTTP address to listen on", default="127.0.0.1"),
         Flag("port", "HTTP port", int, 8000),
+        Flag(
+            "advertise-host",
+            "address other frontends dial to reach this one's router (kv mode's replica sync "
+            "publishes on --host)",
+            shown_default="--host, or this machine's primary address when --host binds "
+            "every interface (0.0.0.0)",
+        ),
         Flag("api-key", "require 'Authorization: Bearer KEY' on /v1", shown_default="no auth"),
         Flag(
             "max-concurrency",
@@ -84,6 +91,16 @@ def configure(parser: FlagParser) -> None:
     parser.set_defaults(func=run_frontend_command)
 
 
+def frontend_router_options(args: argparse.Namespace) -> dict:
+    """The router's options with replica sync publishing on --host, dialled at --advertise-host."""
+    from shoal.worker.cli import advertise_address
+
+    options = router_options(args)
+    options["sync_host"] = args.host
+    options["sync_advertise_host"] = args.advertise_host or advertise_address(args.host)
+    return options
+
+
 def exit_on_sigterm() -> None:
     """Make SIGTERM end the process through SystemExit, so `finally` blocks run.
 
@@ -119,7 +136,7 @@ async def serve_frontend(
     from shoal.frontend.worker_client import WorkerClient
     from shoal.runtime.distributed import DistributedRuntime
 
-    options = router_options(args)
+    options = frontend_router_options(args)
     registry = CollectorRegistry()
     runtime = DistributedRuntime(discovery, **runtime_options(args))
     client = None

@@ -66,6 +66,14 @@ ROUTER = FlagGroup(
             _DEFAULT.approx_ttl,
         ),
         Flag(
+            "router-replica-sync",
+            "kv mode: share the load this router sends to each worker with the other "
+            "frontends routing to the same workers, and count theirs, over the event plane "
+            "(--no-router-replica-sync: each frontend predicts load from its own requests only)",
+            kind="toggle",
+            default=True,
+        ),
+        Flag(
             "busy-threshold",
             "kv mode: skip a worker whose KV blocks in use exceed this fraction, e.g. 0.95",
             float,
@@ -120,5 +128,6 @@ def router_options(args: argparse.Namespace) -> dict:
         "mode": args.router_mode,
         "kv_config": config,
         "use_kv_events": not args.no_kv_events,
+        "replica_sync": args.router_replica_sync,
         "busy_wait": args.busy_wait,
     }

@@ -37,6 +37,7 @@ from shoal.protocol import (
     KVEventBatch,
     KVStateDump,
     KVStateRequest,
+    LoadDelta,
     LoadReport,
 )
 from shoal.router.approx import ApproxIndexer
@@ -44,14 +45,7 @@ from shoal.router.indexer import KvIndexer
 from shoal.router.load import LoadTracker
 from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import Policy
-from shoal.router.replica_sync import (
-    FINISHED,
-    FIRST_TOKEN,
-    ROUTED,
-    LoadDelta,
-    PeerLoads,
-    ReplicaSync,
-)
+from shoal.router.replica_sync import PeerLoads, ReplicaSync
 from shoal.router.selector import KvRouterConfig, free_workers, select_worker
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
@@ -218,7 +212,7 @@ class KvRouter(Policy):
             self.share(
                 LoadDelta(
                     self.replica_id,
-                    ROUTED,
+                    LoadDelta.ROUTED,
                     request.request_id,
                     worker,
                     prompt_blocks - cached,
@@ -238,12 +232,12 @@ class KvRouter(Policy):
 
     def first_token(self, request_id: str) -> None:
         if self.share is not None and request_id in self.load:
-            self.share(LoadDelta(self.replica_id, FIRST_TOKEN, request_id))
+            self.share(LoadDelta(self.replica_id, LoadDelta.FIRST_TOKEN, request_id))
         self.load.first_token(request_id)
 
     def finished(self, request_id: str) -> None:
         if self.share is not None and request_id in self.load:
-            self.share(LoadDelta(self.replica_id, FINISHED, request_id))
+            self.share(LoadDelta(self.replica_id, LoadDelta.FINISHED, request_id))
         self.load.finish(request_id)
 
     # ---- event streams

@@ -4,9 +4,9 @@ A KV router predicts each worker's load from the requests it routed (shoal.route
 With several frontends, each with its own router, every replica would see only its own
 share and send too much to workers the others keep busy. So each replica announces the
 load it adds: a request routed to a worker (its KV blocks and uncached prompt tokens), its
-first token, its end (LoadDelta). Every replica folds the others' announcements into its
-own LoadTracker (PeerLoads), keyed (replica id, request id), so all replicas' trackers
-hold the same picture of in-flight work.
+first token, its end (shoal.protocol.LoadDelta). Every replica folds the others'
+announcements into its own LoadTracker (PeerLoads), keyed (replica id, request id), so all
+replicas' trackers hold the same picture of in-flight work.
 
 On the wire (ReplicaSync) each replica has an event-plane publisher of its own, registered
 in discovery as an instance of `<namespace>.<component>-router.<endpoint>` (beside the
@@ -23,30 +23,13 @@ import asyncio
 import contextlib
 import logging
 
-import msgspec
-
-from shoal.protocol import InstanceRecord
+from shoal.protocol import ROUTER_LOAD_TOPIC, InstanceRecord, LoadDelta
 from shoal.router.load import LoadTracker
 from shoal.runtime.addressing import EndpointAddress
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.event_plane import EventPublisher, EventSubscriber
 
 log = logging.getLogger(__name__)
-
-ROUTER_LOAD_TOPIC = "router-load"
-
-ROUTED, FIRST_TOKEN, FINISHED = range(3)
-
-
-class LoadDelta(msgspec.Struct, array_like=True, gc=False):
-    """One replica's change to the load it puts on a worker."""
-
-    replica_id: str
-    kind: int  # ROUTED, FIRST_TOKEN or FINISHED
-    request_id: str
-    worker_id: str = ""  # ROUTED: where it went
-    blocks: int = 0  # ROUTED: KV blocks it will hold there
-    prefill_tokens: int = 0  # ROUTED: prompt tokens it must prefill there
 
 
 class PeerLoads:
@@ -67,12 +50,12 @@ class PeerLoads:
                 self.forget(peer)
             self._seq[peer] = seq
         key = (peer, delta.request_id)
-        if delta.kind == ROUTED:
+        if delta.kind == LoadDelta.ROUTED:
             self.load.add(key, delta.worker_id, delta.blocks, delta.prefill_tokens)
             self._requests.setdefault(peer, set()).add(delta.request_id)
-        elif delta.kind == FIRST_TOKEN:
+        elif delta.kind == LoadDelta.FIRST_TOKEN:
             self.load.first_token(key)
-        elif delta.kind == FINISHED:
+        elif delta.kind == LoadDelta.FINISHED:
             self.load.finish(key)
             requests = self._requests.get(peer)
             if requests is not None:

@@ -11,14 +11,17 @@ from shoal.protocol import (
     EngineOutput,
     EngineRequest,
     InstanceRecord,
+    LoadDelta,
     ModelCard,
     SamplingParams,
 )
 from shoal.router.kv_router import KvRouter
 from shoal.router.load import LoadTracker
-from shoal.router.replica_sync import FINISHED, FIRST_TOKEN, ROUTED, LoadDelta, PeerLoads
+from shoal.router.replica_sync import PeerLoads
 from shoal.runtime import DistributedRuntime
 from shoal.runtime.discovery import MemoryDiscovery, MemoryRegistry
+
+ROUTED, FIRST_TOKEN, FINISHED = LoadDelta.ROUTED, LoadDelta.FIRST_TOKEN, LoadDelta.FINISHED
 
 BLOCK = 16
 WORKERS = 4

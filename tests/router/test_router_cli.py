@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.cli import build_parser
 from shoal.flags import FlagParser
+from shoal.frontend.cli import frontend_router_options
 from shoal.router.cli import ROUTER, router_options
 from shoal.router.selector import KvRouterConfig
 
@@ -23,6 +25,7 @@ ENV = (
     "SHOAL_BUSY_THRESHOLD",
     "SHOAL_BUSY_MAX_WAITING",
     "SHOAL_KV_APPROX_TTL",
+    "SHOAL_ROUTER_REPLICA_SYNC",
 )
 
 
@@ -50,3 +53,25 @@ def test_out_of_range_values_name_their_flag():
         parse(["--kv-queue-weight", "-1"])
     with pytest.raises(SystemExit, match="--kv-overlap-credit: overlap_credit must be"):
         parse(["--kv-overlap-credit", "nan"])
+
+
+def test_replica_sync_flag_and_env(monkeypatch):
+    assert parse([])["replica_sync"] is True
+    assert parse(["--no-router-replica-sync"])["replica_sync"] is False
+    monkeypatch.setenv("SHOAL_ROUTER_REPLICA_SYNC", "off")
+    assert parse([])["replica_sync"] is False
+    assert parse(["--router-replica-sync"])["replica_sync"] is True  # the flag wins
+
+
+def test_frontend_publishes_replica_sync_on_its_host(monkeypatch):
+    monkeypatch.delenv("SHOAL_HOST", raising=False)
+    monkeypatch.delenv("SHOAL_ADVERTISE_HOST", raising=False)
+    options = frontend_router_options(build_parser("frontend").parse_args([]))
+    assert (options["sync_host"], options["sync_advertise_host"]) == ("127.0.0.1", "127.0.0.1")
+    argv = ["--host", "0.0.0.0", "--advertise-host", "10.1.2.3"]
+    args = build_parser("frontend").parse_args(argv)
+    options = frontend_router_options(args)
+    assert (options["sync_host"], options["sync_advertise_host"]) == ("0.0.0.0", "10.1.2.3")
+    args = build_parser("serve").parse_args(["--model", "m", "--host", "0.0.0.0"])
+    advertised = frontend_router_options(args)["sync_advertise_host"]
+    assert advertised not in ("0.0.0.0", "") and advertised.count(".") == 3
