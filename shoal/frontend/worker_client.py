@@ -14,7 +14,7 @@ from shoal.frontend.engine_client import NoWorkerAvailable, QueueFull, WorkerFai
 from shoal.frontend.worker_log import WorkerLog
 from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, ModelCard
 from shoal.router import make_router
-from shoal.router.kv_router import AllWorkersBusy
+from shoal.router.busy import AllWorkersBusy, BusyQueue
 from shoal.runtime.discovery.base import InstanceEvent
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
@@ -27,7 +27,6 @@ from shoal.runtime.errors import (
 
 log = logging.getLogger(__name__)
 
-BUSY_POLL = 0.02  # seconds between routing attempts while every worker is busy
 # seconds a worker whose connection closed gets no new request, unless discovery drops or
 # re-announces it sooner (by then a dead worker's lease has run out; a live one is tried again)
 LOST_HOLD = 10.0
@@ -97,11 +96,13 @@ class WorkerClient:
         self.endpoint: EndpointClient[EngineOutput] | None = None
         self.cards: dict[str, ModelCard] = {}  # every model a worker has served, by name
         self.lost: dict[str, float] = {}  # instance id -> when its connection was lost
+        self.busy = BusyQueue()  # requests waiting while every worker is busy
 
     async def start(self) -> WorkerClient:
         self.endpoint = await self.runtime.client(GENERATE_ENDPOINT, EngineOutput)
         self.endpoint.add_listener(self._remember)
         self.endpoint.add_listener(WorkerLog())
+        self.policy.watch_load(self.busy.wake)
         await self.policy.start(self.endpoint)
         return self
 
@@ -113,6 +114,7 @@ class WorkerClient:
         card = event.instance.card
         if event.kind == "added" and card is not None:
             self.cards[card.model_name] = card
+            self.busy.wake()
 
     def models(self) -> dict[str, ModelCard]:
         """Every model some worker has served: one whose workers are all gone now is still
@@ -218,10 +220,10 @@ class WorkerClient:
         self.policy.finished(leg.request.request_id)
 
     async def _route(self, model: str, request: EngineRequest, tried: set[str]):
-        """The policy's pick among the untried workers of `model`, waiting while all are
-        busy (up to busy_wait)."""
-        deadline = time.monotonic() + self.busy_wait
-        while True:
+        """The policy's pick among the untried workers of `model`; while all are busy the
+        request waits its turn (self.busy) for up to busy_wait seconds."""
+
+        def attempt():
             now = time.monotonic()
             instances = [
                 i
@@ -233,12 +235,12 @@ class WorkerClient:
             ]
             if not instances:
                 raise NoWorkerAvailable(f"no worker serves model {model!r} right now")
-            try:
-                return self.policy.select(instances, request)
-            except AllWorkersBusy as e:
-                if time.monotonic() >= deadline:
-                    raise QueueFull(f"{e} for {self.busy_wait:g}s") from None
-            await asyncio.sleep(BUSY_POLL)
+            return self.policy.select(instances, request)
+
+        try:
+            return await self.busy.route(attempt, self.busy_wait)
+        except AllWorkersBusy as e:
+            raise QueueFull(f"{e} for {self.busy_wait:g}s") from None
 
     async def _read(self, leg: _Leg, queue: asyncio.Queue) -> None:
         """Put each output of the leg's stream on `queue`, then _END or the error; waiting

@@ -87,7 +87,8 @@ ROUTER = FlagGroup(
         ),
         Flag(
             "busy-wait",
-            "seconds a request waits for a worker to stop being busy before it gets 503",
+            "seconds a request waits, in arrival order, for a worker to stop being busy "
+            "before it gets 429",
             float,
             5.0,
         ),

@@ -41,6 +41,7 @@ from shoal.protocol import (
     LoadReport,
 )
 from shoal.router.approx import ApproxIndexer
+from shoal.router.busy import AllWorkersBusy
 from shoal.router.indexer import KvIndexer
 from shoal.router.load import LoadTracker
 from shoal.router.metrics import RouterMetrics
@@ -54,10 +55,6 @@ from shoal.runtime.event_plane import EventSubscriber
 log = logging.getLogger(__name__)
 
 RESYNC_RETRY = 0.5  # seconds between attempts to fetch a dump from a worker
-
-
-class AllWorkersBusy(Exception):
-    """Every candidate worker is over the busy threshold."""
 
 
 class _Feed:
@@ -229,6 +226,9 @@ class KvRouter(Policy):
         m.hash_seconds.observe(t1 - t0)
         m.select_seconds.observe(t2 - t1)
         return by_id[worker]
+
+    def watch_load(self, callback: Callable[[], None]) -> None:
+        self.load.watch(callback)
 
     def first_token(self, request_id: str) -> None:
         if self.share is not None and request_id in self.load:

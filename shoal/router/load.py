@@ -11,7 +11,7 @@ generated tokens); see LoadTracker.report for how the two are combined.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from shoal.protocol import LoadReport
@@ -48,6 +48,16 @@ class LoadTracker:
         self.block_size = block_size
         self._workers: dict[str, _WorkerLoad] = {}
         self._requests: dict[Hashable, _Request] = {}
+        self._watchers: list[Callable[[], None]] = []
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call `callback` after each change that may lower a worker's load (a request
+        finished, a report): what requests waiting for a non-busy worker need."""
+        self._watchers.append(callback)
+
+    def _released(self) -> None:
+        for callback in self._watchers:
+            callback()
 
     @property
     def block_size(self) -> int:
@@ -93,6 +103,7 @@ class LoadTracker:
             request.load.blocks -= request.blocks
             request.load.prefill_tokens -= request.prefill_tokens
             request.load.queued -= int(request.queued)
+            self._released()
 
     def set_capacity(self, worker_id: str, total_blocks: int) -> None:
         """The worker's KV cache size, known before its first report (its model card)."""
@@ -115,6 +126,7 @@ class LoadTracker:
         load.foreign = max(0, report.active_blocks - load.blocks)
         load.waiting = report.num_waiting
         self.set_capacity(report.worker_id, report.total_blocks)
+        self._released()
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker; its requests still in flight release into the forgotten state."""

@@ -26,6 +26,10 @@ class Policy:
         """Pick one of `instances` (never empty) for `request`."""
         raise NotImplementedError
 
+    def watch_load(self, callback: Callable[[], None]) -> None:
+        """Call `callback` whenever a worker's load may have fallen (a policy that raises
+        AllWorkersBusy must, so that requests waiting for a worker try again)."""
+
     def first_token(self, request_id: str) -> None:
         """The request's first output arrived (its prefill is done)."""
 

@@ -147,3 +147,17 @@ def test_capacity_is_known_before_the_first_report():
     load.add("r", "w", blocks=50, prefill_tokens=0)
     assert load.usage("w") == 0.25
     assert load.waiting("w") == 0
+
+
+def test_watchers_hear_of_every_change_that_may_lower_a_load():
+    load = LoadTracker(block_size=16)
+    heard: list[int] = []
+    load.watch(lambda: heard.append(len(heard)))
+    load.add("r1", "a", blocks=4, prefill_tokens=40)
+    load.first_token("r1")
+    assert heard == []  # routing adds load; a first token frees no block
+    load.finish("r1")
+    load.finish("r1")  # nothing left to release
+    assert len(heard) == 1
+    load.report(report("a", active=3))
+    assert len(heard) == 2
