@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import ClassVar
 
 import msgspec
@@ -229,13 +230,57 @@ class LoadDelta(msgspec.Struct, array_like=True, gc=False):
 
 
 class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What a worker serves: enough for a frontend to tokenize and a router to count blocks."""
+    """What a worker serves: enough for a frontend to tokenize and a router to count blocks.
+
+    `tokenizer` names the worker's tokenizer folder, on the worker's host. A frontend on any
+    host gets the files themselves from the worker's MODEL_FILES_ENDPOINT; `files_digest`
+    (model_files_digest of them) says which files those are, and is empty when the worker
+    serves none.
+    """
 
     model_name: str
     tokenizer: str
     context_length: int
     kv_block_size: int
     num_kv_blocks: int
+    files_digest: str = ""
+
+
+# The endpoint a worker answers with the files a frontend needs to serve its model.
+MODEL_FILES_ENDPOINT = "shoal.backend.model_files"
+# The tokenizer folder's files a frontend reads (tokenizer, chat template, generation config).
+MODEL_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "config.json",
+)
+MODEL_FILE_CHUNK = 1 << 20  # bytes of a file one ModelFileChunk carries at most
+
+
+class ModelFilesRequest(msgspec.Struct, kw_only=True):
+    """Frontend to worker: send your model files (those whose digest is `digest`)."""
+
+    digest: str
+
+
+class ModelFileChunk(msgspec.Struct, kw_only=True):
+    """Part of one model file: a file's chunks arrive in order, and are its bytes joined."""
+
+    name: str
+    data: bytes
+
+
+def model_files_digest(files: dict[str, bytes]) -> str:
+    """sha256 over the files' names and contents, in name order: equal files, equal digest."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        data = files[name]
+        digest.update(b"%d:%s%d:" % (len(name), name.encode(), len(data)))
+        digest.update(data)
+    return digest.hexdigest()
 
 
 class InstanceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -21,6 +21,7 @@ from shoal.frontend.protocol_openai import (
     ErrorResponse,
 )
 from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing, json_response
+from shoal.frontend.tokenizer_pool import TokenizerPool
 
 # 16 MiB holds the longest context served today as text or token ids: a 1M-token prompt
 # is about 4 MB of text, or at most 8 MB as JSON token ids ("151642,"), with room for
@@ -64,6 +65,7 @@ def build_app(
     max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES,
     max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
     access_log: bool = False,
+    tokenizers: TokenizerPool | None = None,
 ) -> FastAPI:
     """The app: /v1/chat/completions, /v1/completions, /v1/models, /health, /live, /metrics.
 
@@ -72,7 +74,8 @@ def build_app(
     app's metrics go (shared with the router's); /metrics serves all of it.
     max_request_body_bytes: a larger body is answered 413 unread. max_prompts_per_request:
     a completions request with more prompts is a 400. access_log: one `shoal.access` log
-    line per /v1 request.
+    line per /v1 request. tokenizers: where the models' tokenizers come from (default:
+    each card's folder on this host).
     """
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1 (got {max_concurrency})")
@@ -84,6 +87,8 @@ def build_app(
         )
     metrics = FrontendMetrics(registry)
     serving = OpenAIServing(client, metrics, max_prompts_per_request)
+    if tokenizers is not None:
+        serving.tokenizers = tokenizers
     app = FastAPI(title="shoal", summary="OpenAI-compatible LLM serving")
     app.state.metrics = metrics
     install_error_handlers(app)

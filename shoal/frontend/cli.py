@@ -133,6 +133,7 @@ async def serve_frontend(
     from prometheus_client import CollectorRegistry
 
     from shoal.frontend.app import build_app
+    from shoal.frontend.tokenizer_pool import TokenizerPool, WorkerModelFiles
     from shoal.frontend.worker_client import WorkerClient
     from shoal.runtime.distributed import DistributedRuntime
 
@@ -157,6 +158,7 @@ async def serve_frontend(
             max_request_body_bytes=args.max_request_body_bytes,
             max_prompts_per_request=args.max_prompts_per_request,
             access_log=args.access_log,
+            tokenizers=TokenizerPool(WorkerModelFiles(runtime.requests, client.endpoint.instances)),
         )
         config = uvicorn.Config(
             app,

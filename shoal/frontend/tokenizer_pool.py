@@ -1,16 +1,35 @@
-"""One tokenizer per model card, loaded once off the event loop, with what logprobs need."""
+"""One tokenizer per model card, loaded once off the event loop, with what logprobs need.
+
+A frontend on another host than its workers has no model folder: WorkerModelFiles gets the
+files from a worker's model_files endpoint, and ModelTokenizer.from_files loads them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tokenizers import decoders
 
 from shoal.frontend.errors import APIError
+from shoal.protocol import (
+    MODEL_FILE_NAMES,
+    MODEL_FILES_ENDPOINT,
+    InstanceRecord,
+    ModelFileChunk,
+    ModelFilesRequest,
+    model_files_digest,
+)
+from shoal.runtime.errors import RuntimePlaneError
+from shoal.runtime.request_client import RequestClient
 from shoal.tokenizer import TextTokenizer
+
+FETCH_TIMEOUT = 120.0  # seconds one worker gets to send a model's files
+FetchFiles = Callable[[str], Awaitable[dict[str, bytes]]]
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -66,6 +85,17 @@ class ModelTokenizer:
         self._byte_level = isinstance(self.text.tokenizer.decoder, decoders.ByteLevel)
         self._pieces: dict[int, tuple[str, list[int]]] = {}
 
+    @classmethod
+    def from_files(cls, files: dict[str, bytes]) -> ModelTokenizer:
+        """Load from a tokenizer folder's files (name -> contents), as a worker sends them."""
+        unknown = sorted(set(files) - set(MODEL_FILE_NAMES))
+        if unknown:
+            raise ValueError(f"not model files: {unknown}")
+        with tempfile.TemporaryDirectory(prefix="shoal-tokenizer-") as folder:
+            for name, data in files.items():
+                (Path(folder) / name).write_bytes(data)
+            return cls(folder)
+
     def piece(self, token_id: int) -> tuple[str, list[int]]:
         """The token's text and its exact UTF-8 bytes (a token may hold part of a character)."""
         found = self._pieces.get(token_id)
@@ -87,20 +117,73 @@ class ModelTokenizer:
         return self.text.decode([token_id], skip_special_tokens=False).encode()
 
 
-class TokenizerPool:
-    """Loads each tokenizer path once (in a thread) and shares it between requests."""
+class WorkerModelFiles:
+    """Gets a model's files from the workers that announce its tokenizer: the first of them
+    whose files arrive whole and match the digest on its card."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, requests: RequestClient, instances: Callable[[], list[InstanceRecord]]
+    ) -> None:
+        """requests: the request plane; instances: the generate endpoint's workers now."""
+        self.requests = requests
+        self.instances = instances
+
+    async def __call__(self, tokenizer: str) -> dict[str, bytes]:
+        records = [
+            r
+            for r in self.instances()
+            if r.card is not None and r.card.tokenizer == tokenizer and r.card.files_digest
+        ]
+        if not records:
+            raise LookupError(f"no worker serves the files of tokenizer {tokenizer}")
+        failures = []
+        for record in records:
+            try:
+                async with asyncio.timeout(FETCH_TIMEOUT):
+                    return await self._fetch(record)
+            except (RuntimePlaneError, ValueError, TimeoutError) as e:
+                failures.append(f"{record.instance_id}: {type(e).__name__}: {e}")
+        raise LookupError("no worker sent the model files (" + "; ".join(failures) + ")")
+
+    async def _fetch(self, record: InstanceRecord) -> dict[str, bytes]:
+        digest = record.card.files_digest
+        parts: dict[str, list[bytes]] = {}
+        request = ModelFilesRequest(digest=digest)
+        stream = self.requests.stream(record.address, MODEL_FILES_ENDPOINT, request, ModelFileChunk)
+        async for chunk in stream:
+            parts.setdefault(chunk.name, []).append(chunk.data)
+        files = {name: b"".join(chunks) for name, chunks in parts.items()}
+        if await asyncio.to_thread(model_files_digest, files) != digest:
+            raise ValueError("the files sent do not match the digest on the worker's card")
+        return files
+
+
+class TokenizerPool:
+    """Loads each model's tokenizer once (in a thread) and shares it between requests.
+
+    A pool with `fetch` gets each tokenizer's files through it (by the card's `tokenizer`),
+    never from this host's filesystem; one without reads the card's folder itself.
+    """
+
+    def __init__(self, fetch: FetchFiles | None = None) -> None:
+        self._fetch = fetch
         self._loads: dict[str, asyncio.Future[ModelTokenizer]] = {}
 
+    async def _load(self, source: str) -> ModelTokenizer:
+        if self._fetch is None:
+            return await asyncio.to_thread(ModelTokenizer, source)
+        files = await self._fetch(source)
+        return await asyncio.to_thread(ModelTokenizer.from_files, files)
+
     async def get(self, path: str) -> ModelTokenizer:
+        """The tokenizer of the card whose `tokenizer` is `path`."""
         load = self._loads.get(path)
         if load is None:
-            load = asyncio.ensure_future(asyncio.to_thread(ModelTokenizer, path))
+            load = asyncio.ensure_future(self._load(path))
             self._loads[path] = load
         try:
             return await asyncio.shield(load)
-        except Exception as e:  # a missing folder, a malformed tokenizer.json, ...
+        except Exception as e:  # a missing folder or worker, a malformed tokenizer.json, ...
             self._loads.pop(path, None)  # let a later request try again
             raise APIError(
                 500, f"Cannot load the tokenizer at {path}: {e}", type="server_error"

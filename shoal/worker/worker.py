@@ -11,18 +11,25 @@ import contextlib
 import functools
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from shoal.engine.async_llm import AsyncLLM, EngineDeadError
 from shoal.engine.llm_engine import LLMEngine
+from shoal.models.loader import resolve_model_dir
 from shoal.protocol import (
     GENERATE_ENDPOINT,
     KV_STATE_ENDPOINT,
+    MODEL_FILE_CHUNK,
+    MODEL_FILE_NAMES,
+    MODEL_FILES_ENDPOINT,
     EngineOutput,
     EngineRequest,
     KVStateDump,
     KVStateRequest,
     ModelCard,
+    ModelFileChunk,
+    ModelFilesRequest,
+    model_files_digest,
 )
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.errors import SHUTDOWN_CODE
@@ -58,6 +65,22 @@ def check_request(request: EngineRequest, vocab_size: int) -> None:
         raise ValueError(f"lora_id must be a signed 64-bit integer (got {request.lora_id})")
 
 
+def read_model_files(core: LLMEngine) -> dict[str, bytes]:
+    """The MODEL_FILE_NAMES files of the engine's tokenizer folder (--tokenizer's, a hub id
+    resolved, or the model's): what a frontend needs to serve the model."""
+    folder = resolve_model_dir(core.config.tokenizer) if core.config.tokenizer else core.model_dir
+    return {
+        name: (folder / name).read_bytes() for name in MODEL_FILE_NAMES if (folder / name).is_file()
+    }
+
+
+def file_chunks(files: dict[str, bytes]) -> Iterator[ModelFileChunk]:
+    """The files as ModelFileChunks of at most MODEL_FILE_CHUNK bytes (an empty file: one)."""
+    for name, data in files.items():
+        for start in range(0, max(len(data), 1), MODEL_FILE_CHUNK):
+            yield ModelFileChunk(name=name, data=data[start : start + MODEL_FILE_CHUNK])
+
+
 class Worker:
     def __init__(
         self,
@@ -65,19 +88,24 @@ class Worker:
         served_model_name: str,
         publisher: KVPublisher,
         metrics: WorkerMetrics | None = None,
+        model_files: dict[str, bytes] | None = None,
     ) -> None:
+        """model_files: what the model_files endpoint serves (read_model_files of the
+        tokenizer folder; None: nothing, and the card names no files)."""
         self.engine = engine
         self.publisher = publisher
         self.metrics = metrics
         self.stats = StatsLogger()
         core = engine.engine
         self.vocab_size = core.model_config.vocab_size
+        self.model_files = model_files or {}
         self.card = ModelCard(
             model_name=served_model_name,
             tokenizer=str(core.config.tokenizer or core.model_dir),
             context_length=core.max_model_len,
             kv_block_size=core.kv.block_size,
             num_kv_blocks=core.kv.num_blocks,
+            files_digest=model_files_digest(self.model_files) if self.model_files else "",
         )
 
     def generate(self, request: EngineRequest, sink: StreamSink) -> None:
@@ -119,6 +147,16 @@ class Worker:
             return
         self.stats.count_prompt(len(request.prompt_token_ids))
         sink.on_cancel = functools.partial(self.engine.cancel, request_id)
+
+    async def model_files_handler(
+        self, request: ModelFilesRequest
+    ) -> AsyncIterator[ModelFileChunk]:
+        """The model_files endpoint: every file, in chunks; nothing if `request.digest` names
+        other files than this worker's (the caller's digest check then fails)."""
+        if request.digest != self.card.files_digest:
+            return
+        for chunk in file_chunks(self.model_files):
+            yield chunk
 
     async def kv_state(self, request: KVStateRequest) -> AsyncIterator[KVStateDump]:
         """The resync endpoint: one dump of every block the engine caches."""
@@ -200,7 +238,8 @@ async def serve_worker(
     metrics.update(engine.engine)
     if metrics_port is not None:
         metrics.serve(metrics_port, host, healthy=lambda: engine.alive)
-    worker = Worker(engine, served_model_name, publisher, metrics)
+    files = await asyncio.to_thread(read_model_files, engine.engine)
+    worker = Worker(engine, served_model_name, publisher, metrics, files)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -208,6 +247,9 @@ async def serve_worker(
     if stats_interval > 0:
         background.append(asyncio.create_task(worker.log_stats(stats_interval)))
     await runtime.serve_endpoint(KV_STATE_ENDPOINT, worker.kv_state, KVStateRequest)
+    await runtime.serve_endpoint(
+        MODEL_FILES_ENDPOINT, worker.model_files_handler, ModelFilesRequest
+    )
     served = await runtime.serve_endpoint(
         GENERATE_ENDPOINT,
         worker.generate,
