@@ -17,7 +17,7 @@ from typing import IO
 
 from shoal.engine.cli import add_engine_args, engine_argv
 from shoal.flags import Flag, FlagGroup, FlagParser, flag_argv
-from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontend
+from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontends
 from shoal.mocker.cli import MOCKER
 from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, PLANE_SECRET, RUNTIME, setup_logging
@@ -207,7 +207,7 @@ async def _serve(args: argparse.Namespace, discovery: str, pool: WorkerPool) -> 
     failed = asyncio.Event()
     watcher = asyncio.create_task(pool.watch(discovery, failed))
     try:
-        await serve_frontend(args, discovery, stop=failed)
+        await serve_frontends(args, discovery, stop=failed)
     finally:
         watcher.cancel()
 

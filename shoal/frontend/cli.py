@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.frontend.app import MAX_REQUEST_BODY_BYTES
@@ -36,6 +43,14 @@ FRONTEND = FlagGroup(
         ),
         Flag(
             "shutdown-timeout", "seconds in-flight requests get to finish on SIGTERM", float, 30.0
+        ),
+        Flag(
+            "api-server-count",
+            "frontend processes serving the one HTTP port (SO_REUSEPORT: the kernel spreads "
+            "connections over them), each with its own router; /metrics answers for the "
+            "process that took the connection",
+            int,
+            1,
         ),
         Flag(
             "max-request-body-bytes",
@@ -120,15 +135,149 @@ def run_frontend_command(args: argparse.Namespace) -> int:
     if not args.discovery:
         raise SystemExit("--discovery is required for a standalone frontend (or use `shoal serve`)")
     exit_on_sigterm()
-    event_loop.run(serve_frontend(args, args.discovery))
+    event_loop.run(serve_frontends(args, args.discovery))
     return 0
 
 
-async def serve_frontend(
+async def serve_frontends(
     args: argparse.Namespace, discovery: str, stop: asyncio.Event | None = None
 ) -> None:
+    """Serve HTTP in this process, or in --api-server-count processes sharing the port."""
+    if args.api_server_count < 1:
+        raise SystemExit(f"--api-server-count must be at least 1 (got {args.api_server_count})")
+    if args.api_server_count == 1:
+        await serve_frontend(args, discovery, stop)
+    else:
+        await ApiServers(args, discovery).serve(stop)
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port that other SO_REUSEPORT sockets of this user share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+API_SERVER_POLL_S = 0.5  # how often the API server processes are checked
+
+
+class ApiServers:
+    """--api-server-count frontend processes on one port, each binding it with SO_REUSEPORT.
+
+    This process holds the port (bound, never listening: it takes no connections) so that a
+    port of 0 picks one port for all. It hands each child its options as one JSON line on
+    stdin and keeps the pipe open: a child whose pipe closes (this process died) stops. When
+    one child exits on its own, the others are stopped too.
+    """
+
+    def __init__(self, args: argparse.Namespace, discovery: str) -> None:
+        self.args = args
+        self.discovery = discovery
+        self.procs: list[subprocess.Popen] = []
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        """Run the processes until SIGTERM/SIGINT, `stop`, or one of them exits."""
+        args = self.args
+        with reuse_port_socket(args.host, args.port) as held:
+            port = held.getsockname()[1]
+            options = {k: v for k, v in vars(args).items() if k != "func"}
+            stopping = stop or asyncio.Event()
+            exited = None
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stopping.set)
+            try:
+                for index in range(args.api_server_count):
+                    line = {**options, "port": port, "api_server_index": index}
+                    self.procs.append(_start_api_server(line, self.discovery))
+                logging.getLogger(__name__).info(
+                    "frontend on http://%s:%d: %d processes", args.host, port, len(self.procs)
+                )
+                exited = await self._watch(stopping)
+            finally:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+                await asyncio.to_thread(self._stop)
+        if exited is not None:
+            raise SystemExit(f"frontend process {exited.pid} exited with code {exited.returncode}")
+
+    async def _watch(self, stopping: asyncio.Event) -> subprocess.Popen | None:
+        """Wait for `stopping` (None) or a child's own exit (that child)."""
+        while not stopping.is_set():
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    return proc
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), API_SERVER_POLL_S)
+        return None
+
+    def _stop(self) -> None:
+        """SIGTERM every child, give them the drain time, then kill what is left."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + self.args.shutdown_timeout + 10
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+
+
+def _start_api_server(options: dict, discovery: str) -> subprocess.Popen:
+    argv = [sys.executable, "-c", "from shoal.frontend.cli import api_server_main as m; m()"]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+    proc.stdin.write(json.dumps({**options, "api_server_discovery": discovery}).encode() + b"\n")
+    proc.stdin.flush()
+    return proc
+
+
+def api_server_main() -> None:
+    """One process of --api-server-count: options as a JSON line on stdin, then serve until
+    SIGTERM or until stdin closes."""
+    options = json.loads(sys.stdin.buffer.readline())
+    index = options.pop("api_server_index")
+    discovery = options.pop("api_server_discovery")
+    args = argparse.Namespace(**options)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s api-server-{index} %(name)s %(message)s",
+    )
+    exit_on_sigterm()
+    event_loop.run(_serve_api_server(args, discovery))
+
+
+async def _serve_api_server(args: argparse.Namespace, discovery: str) -> None:
+    loop = asyncio.get_running_loop()
+    orphaned = asyncio.Event()
+
+    def wait_for_eof() -> None:
+        sys.stdin.buffer.read()
+        loop.call_soon_threadsafe(orphaned.set)
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
+    await serve_frontend(args, discovery, orphaned, reuse_port=True)
+
+
+async def serve_frontend(
+    args: argparse.Namespace,
+    discovery: str,
+    stop: asyncio.Event | None = None,
+    *,
+    reuse_port: bool = False,
+) -> None:
     """Run the HTTP server until SIGTERM/SIGINT (or `stop` is set), then drain in-flight
-    requests and stop."""
+    requests and stop; reuse_port: share the port with other processes (SO_REUSEPORT)."""
     import uvicorn
     from prometheus_client import CollectorRegistry
 
@@ -171,7 +320,8 @@ async def serve_frontend(
         logging.getLogger(__name__).info("frontend on http://%s:%d", args.host, args.port)
         if stop is not None:
             watcher = asyncio.create_task(_exit_when_set(server, stop))
-        await server.serve()
+        sockets = [reuse_port_socket(args.host, args.port)] if reuse_port else None
+        await server.serve(sockets)
     finally:
         if watcher is not None:
             watcher.cancel()

@@ -1,0 +1,76 @@
+"""`--api-server-count 2`: two frontend processes on one port, both taking requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_helpers import free_port, stop_serve
+from tiny_models import ARCHITECTURES, BASE, VOCAB_SIZE, write_tokenizer
+
+REQUESTS = 24
+
+
+@pytest.fixture(scope="module")
+def mock_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tokenizer and config without weights: all a mocker worker needs."""
+    path = write_tokenizer(tmp_path_factory.mktemp("mock-model"))
+    config = {**BASE, **ARCHITECTURES["llama"], "vocab_size": VOCAB_SIZE}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "shoal serve exited during start-up"
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    pytest.fail("shoal serve did not become healthy")
+
+
+def _served_by(log: Path) -> dict[str, int]:
+    """Access-log lines per frontend process (each tags its lines api-server-N)."""
+    counts: dict[str, int] = {}
+    for match in re.finditer(r"(api-server-\d+) shoal\.access", log.read_text()):
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+    return counts
+
+
+def test_two_api_servers_share_the_port_and_the_requests(mock_model, tmp_path):
+    port = free_port()
+    argv = [sys.executable, "-m", "shoal", "serve", "--model", str(mock_model)]
+    argv += ["--engine", "mocker", "--speedup", "100", "--served-model-name", "tiny"]
+    argv += ["--port", str(port), "--api-server-count", "2", "--shutdown-timeout", "5"]
+    argv += ["--discovery", f"file://{tmp_path / 'discovery'}"]
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(argv, stderr=stderr, env={**os.environ, "SHOAL_DRAIN_TIMEOUT": "5"})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, base)
+        body = {"model": "tiny", "prompt": "the river", "max_tokens": 4}
+        for _ in range(REQUESTS):  # a new connection each: the kernel picks a process for it
+            with httpx.Client(base_url=base, timeout=30) as client:
+                out = client.post("/v1/completions", json=body)
+                assert out.status_code == 200, out.text
+                assert out.json()["usage"]["completion_tokens"] == 4
+        deadline = time.monotonic() + 10
+        while sum(_served_by(log).values()) < REQUESTS and time.monotonic() < deadline:
+            time.sleep(0.1)
+        counts = _served_by(log)
+        assert sum(counts.values()) == REQUESTS, counts
+        assert set(counts) == {"api-server-0", "api-server-1"}, counts
+    finally:
+        stop_serve(proc)
