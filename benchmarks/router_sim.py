@@ -42,6 +42,19 @@ carry them).
         --repeats 10
     .venv/bin/python benchmarks/router_sim.py --speeds 30 --modes kv --replicas 4 \
         --sync-delay-ms 1 --arrival-jitter-ms 2 --repeats 3
+    .venv/bin/python benchmarks/router_sim.py --goodput --rows 1500:3000 --workers 8 \
+        --arrival-jitter-ms 2 --repeats 3
+
+Goodput (--goodput): instead of figures at given loads, the highest load each mode
+sustains under an SLO, TTFT p99 <= --slo-ttft-p99-ms (2 s): a figure of the router and
+the engines, where a fixed load's TTFT in overload grows with the replay's length. For each
+mode it searches the speed-up (mooncake) or load multiple: from --speeds' first value it
+doubles or halves until the SLO is met at one and missed at the next, then bisects (in
+log scale) until the two are within --goodput-tolerance. A load is sustained when the
+median over --repeats draws (jitter seeds; shared-prefix also draws its Poisson arrivals
+anew) meets the SLO. It records, per mode, the highest sustained load, its offered request
+rate (mooncake, shared-prefix: requests over the arrivals' span; multi-turn, a closed loop:
+the achieved rate), the figures there, and every load tried.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ import functools
 import heapq
 import itertools
 import json
+import math
 import random
 import statistics
 import sys
@@ -174,6 +188,9 @@ WORKLOADS = {  # name -> KV blocks per worker, as router_bench.py gives them, an
     "shared-prefix": (2048, "1"),
     "multi-turn": (2048, "1"),
 }
+
+
+GOODPUT_START = {"mooncake": 16.0}  # --goodput's first load without --speeds (others: 1)
 
 
 @dataclass(frozen=True)
@@ -534,6 +551,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="kv: replicas share their routing decisions, --sync-delay-ms late",
     )
     add_effect_args(p)
+    group = p.add_argument_group("goodput (the highest load meeting an SLO)")
+    group.add_argument(
+        "--goodput",
+        action="store_true",
+        help="search each mode's highest sustained load, from the first of --speeds "
+        "(default: 16 for mooncake, 1 for the others)",
+    )
+    group.add_argument("--slo-ttft-p99-ms", type=float, default=2000.0, metavar="MS")
+    group.add_argument(
+        "--goodput-tolerance",
+        type=float,
+        default=0.05,
+        help="stop when the highest load met and the lowest missed are within this fraction",
+    )
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     return p
 
@@ -554,6 +585,8 @@ def main() -> int:
         effects = effects_from_args(args)
         if args.arrival_jitter_ms < 0 or args.repeats < 1 or args.replicas < 1:
             raise ValueError("--arrival-jitter-ms must be >= 0, --repeats >= 1 and --replicas >= 1")
+        if args.goodput and not (args.goodput_tolerance > 0 and args.slo_ttft_p99_ms > 0):
+            raise ValueError("--goodput-tolerance and --slo-ttft-p99-ms must be positive")
         start, end = parse_rows(args.rows)
     except ValueError as e:
         p.error(str(e))
@@ -593,6 +626,40 @@ def main() -> int:
             else {}
         ),
     }
+    if args.goodput:
+        stamp["slo_ttft_p99_ms"] = args.slo_ttft_p99_ms
+        stamp["goodput_tolerance"] = args.goodput_tolerance
+
+        def make(speed: float, seed: int) -> Workload:
+            if args.workload == "mooncake":
+                return mooncake(entries, requests, speed)
+            if args.workload == "shared-prefix":
+                return shared_prefix(vocab, speed, seed)
+            return multi_turn(vocab, speed)
+
+        def runs_at(mode: str, speed: float) -> list[dict]:
+            return [
+                simulate(
+                    mode,
+                    make(speed, seed),
+                    model,
+                    args.workers,
+                    kv_blocks,
+                    kv_config,
+                    effects,
+                    args.arrival_jitter_ms / 1e3,
+                    seed,
+                    args.replicas,
+                    args.replica_sync,
+                )
+                for seed in range(args.repeats)
+            ]
+
+        start = speeds[0] if args.speeds else GOODPUT_START.get(args.workload, 1.0)
+        modes = args.modes.split(",")
+        rows = [stamp | goodput_row(mode, make, runs_at, start, args) for mode in modes]
+        record(rows, args.no_record)
+        return 0
     rows = []
     print(
         f"{'speed':>6} {'mode':13} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8}"
@@ -633,20 +700,110 @@ def main() -> int:
                 + (spread if args.repeats > 1 else ""),
                 flush=True,
             )
-    if not args.no_record:
-        with (RESULTS / "router_sim.jsonl").open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        print(f"recorded in {RESULTS / 'router_sim.jsonl'}")
-        if len(speeds) > 1:  # a plot of one load would replace the sweep's with a dot
-            png = RESULTS / (
-                "router_sim.png"
-                if args.workload == "mooncake"
-                else f"router_sim-{args.workload}.png"
-            )
-            plot(rows, png)
-            print(f"drawn in {png}")
+    record(rows, args.no_record)
+    if not args.no_record and len(speeds) > 1:  # a plot of one load would replace the sweep's
+        png = RESULTS / (
+            "router_sim.png" if args.workload == "mooncake" else f"router_sim-{args.workload}.png"
+        )
+        plot(rows, png)
+        print(f"drawn in {png}")
     return 0
+
+
+def record(rows: list[dict], skip: bool) -> None:
+    """Append the rows to results/router_sim.jsonl (unless `skip`)."""
+    if skip:
+        return
+    with (RESULTS / "router_sim.jsonl").open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"recorded in {RESULTS / 'router_sim.jsonl'}")
+
+
+def highest_sustained(
+    sustains: Callable[[float], bool],
+    start: float,
+    tolerance: float,
+    cap: float | None = None,
+    floor: float = 1e-3,
+) -> float:
+    """The highest load that `sustains`, within a factor 1 + `tolerance` (0 if not even
+    `floor`): from `start`, doubling (up to `cap`) or halving until one load is sustained
+    and the next is not, then bisecting between them in log scale. Assumes that a load above
+    one that is missed is missed too."""
+    known: dict[float, bool] = {}
+
+    def ok(load: float) -> bool:
+        if load not in known:
+            known[load] = sustains(load)
+        return known[load]
+
+    load = start if cap is None else min(start, cap)
+    if ok(load):
+        low, high = load, None
+        while high is None:
+            if cap is not None and low >= cap:
+                return low
+            load = low * 2 if cap is None else min(low * 2, cap)
+            low, high = (load, None) if ok(load) else (low, load)
+    else:
+        low, high = None, load
+        while low is None:
+            load = high / 2
+            if load < floor:
+                return 0.0
+            low, high = (load, high) if ok(load) else (None, load)
+    while high / low > 1 + tolerance:
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if ok(middle) else (low, middle)
+    return low
+
+
+def offered_rate(workload: Workload) -> float | None:
+    """An open loop's request rate: requests over the span of their arrivals (None: closed)."""
+    arrivals = workload.arrivals
+    if arrivals is None or len(arrivals) < 2 or arrivals[-1] <= arrivals[0]:
+        return None
+    return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+
+
+def goodput_row(
+    mode: str,
+    make: Callable[[float, int], Workload],
+    runs_at: Callable[[str, float], list[dict]],
+    start: float,
+    args: argparse.Namespace,
+) -> dict:
+    """`mode`'s highest load whose median TTFT p99 over the draws meets the SLO, and its
+    figures there (the record's row)."""
+    slo = args.slo_ttft_p99_ms
+    tried: dict[float, dict] = {}
+
+    def sustains(speed: float) -> bool:
+        r = median_run(runs_at(mode, speed))
+        tried[speed] = r
+        print(
+            f"  {mode:13} load {speed:8.3f}: TTFT p99 {r['ttft_p99_ms']:8.1f} ms"
+            f"  {'met' if r['ttft_p99_ms'] <= slo else 'missed'}",
+            flush=True,
+        )
+        return r["ttft_p99_ms"] <= slo
+
+    cap = 128 / 32 if args.workload == "multi-turn" else None  # every session in flight
+    best = highest_sustained(sustains, start, args.goodput_tolerance, cap)
+    figures = tried.get(best, {})
+    rate = offered_rate(make(best, 0)) if best else 0.0
+    if rate is None:
+        rate = figures.get("requests_per_s", 0.0)
+    print(f"{mode}: sustains load {best:.3f} = {rate:.2f} req/s (TTFT p99 <= {slo:g} ms)")
+    return {
+        "mode": mode,
+        "goodput_speed": best,
+        "goodput_requests_per_s": rate,
+        "goodput_capped": cap is not None and best >= cap,
+        **figures,
+        "tried": sorted([speed, r["ttft_p99_ms"]] for speed, r in tried.items()),
+    }
 
 
 def jittered(

@@ -1,0 +1,60 @@
+"""router_sim --goodput: the search for the highest load meeting the SLO, and one real search."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import router_sim
+
+
+def search(capacity: float, start: float, cap: float | None = None, tolerance: float = 0.05):
+    tried: list[float] = []
+
+    def sustains(load: float) -> bool:
+        tried.append(load)
+        return load <= capacity
+
+    return router_sim.highest_sustained(sustains, start, tolerance, cap), tried
+
+
+@pytest.mark.parametrize(("capacity", "start"), [(37.0, 16.0), (3.3, 16.0), (1.0, 1.0), (0.2, 1)])
+def test_search_ends_within_the_tolerance_below_the_capacity(capacity, start):
+    found, tried = search(capacity, start)
+    assert capacity / 1.05 <= found <= capacity
+    assert len(tried) == len(set(tried)) <= 12  # no load is simulated twice
+
+
+def test_search_stops_at_the_cap_and_at_the_floor():
+    assert search(100.0, 1.0, cap=4.0) == (4.0, [1.0, 2.0, 4.0])
+    found, tried = search(0.0, 1.0)
+    assert found == 0.0 and min(tried) >= 1e-3
+
+
+def test_a_real_search_finds_where_the_slo_breaks(tmp_path):
+    """Simulated kv routing of a small shared-prefix load on 2 workers: the load found meets
+    the SLO, and one at most 20% above it (the tolerance) was simulated and missed it."""
+    model = router_sim.tiny_model_dir(tmp_path)
+    args = router_sim.build_parser().parse_args(
+        ["--workload", "shared-prefix", "--slo-ttft-p99-ms", "200", "--goodput-tolerance", "0.2"]
+    )
+    prefixes = [router_sim._tokens(f"p{g}", 256, 300) for g in range(4)]
+    requests = [[(prefixes[i % 4] + router_sim._tokens(f"r{i}", 32, 300), 4)] for i in range(80)]
+
+    def make(speed: float, seed: int) -> router_sim.Workload:
+        arrivals = [i / (20 * speed) for i in range(len(requests))]
+        return router_sim.Workload("small", requests, arrivals)
+
+    def runs_at(mode: str, speed: float) -> list[dict]:
+        config = router_sim.KvRouterConfig()
+        return [router_sim.simulate(mode, make(speed, 0), model, 2, 512, config)]
+
+    row = router_sim.goodput_row("kv", make, runs_at, 1.0, args)
+    best = row["goodput_speed"]
+    assert best > 0 and row["ttft_p99_ms"] <= 200
+    assert row["goodput_requests_per_s"] == pytest.approx(20 * best)
+    missed = [speed for speed, p99 in row["tried"] if p99 > 200]
+    assert missed and best < min(missed) <= best * 1.2
