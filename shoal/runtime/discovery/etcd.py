@@ -167,16 +167,21 @@ class EtcdDiscovery(Discovery):
                 attempt += 1
 
     async def _keep_alive(self, reg: _Registration) -> None:
+        """Renew the lease every ttl/3; while etcd is unreachable, try every retry_interval,
+        so that an etcd restarted without its data has the record back at once."""
+        failing = False
         while True:
-            await asyncio.sleep(reg.ttl / 3)
+            await asyncio.sleep(self.retry_interval if failing else reg.ttl / 3)
             try:
                 reply = await self._call("/v3/lease/keepalive", {"ID": reg.lease})
-                if int(reply.get("result", {}).get("TTL", 0)) > 0:
-                    continue
-                log.warning("etcd lease of %s is gone: registering again", reg.key)
-                await self._grant_and_put(reg)
+                if int(reply.get("result", {}).get("TTL", 0)) <= 0:
+                    log.warning("etcd lease of %s is gone: registering again", reg.key)
+                    await self._grant_and_put(reg)
+                failing = False
             except _ERRORS as exc:
-                log.warning("etcd keep-alive of %s failed (will retry): %s", reg.key, exc)
+                if not failing:
+                    log.warning("etcd keep-alive of %s failed (retrying): %s", reg.key, exc)
+                failing = True
 
     async def unregister(self, record: InstanceRecord) -> None:
         await self._release(self._key(record))
