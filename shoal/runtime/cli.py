@@ -50,9 +50,15 @@ LOGGING = FlagGroup(
 )
 
 
+QUIET_BELOW_DEBUG = ("httpx", "httpcore")  # a line per HTTP call: every etcd keep-alive
+
+
 def setup_logging(args: argparse.Namespace) -> None:
-    """Log to stderr at --log-level."""
+    """Log to stderr at --log-level (HTTP client libraries: warnings only, unless debug)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if args.log_level != "debug":
+        for name in QUIET_BELOW_DEBUG:
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def runtime_options(args: argparse.Namespace) -> dict:
