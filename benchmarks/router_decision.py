@@ -19,6 +19,20 @@ benchmarks/results/router_decision.jsonl with provenance and the host's load ave
     .venv/bin/python benchmarks/router_decision.py
     .venv/bin/python benchmarks/router_decision.py --workers 8 --prompt-tokens 1024 \\
         --indexed-blocks 100000 --no-record
+
+--loop-lag asks whether KV event application belongs on the frontend's event loop or in a
+thread of its own. On an index of --indexed-blocks over each --workers count, an event
+stream (stores and removals, EVENT_BLOCKS blocks a batch) is applied at each --event-rates
+block operations per second, either on the loop (a task applying one batch per loop turn,
+as the router's event readers do) or by a thread (pacing itself, as a thread owning the
+event sockets would; the index behind a lock that routing takes too). Meanwhile the loop
+runs a probe (a 1 ms sleep; its lateness is what every stream on the loop waits) and
+routes a --prompt-tokens prompt every 5 ms. Figures per (rate, place): probe lateness
+p50/p99, decision time p50/p99 (lock waits included), the event rate achieved. Records go
+to results/router_loop_lag.jsonl.
+
+    .venv/bin/python benchmarks/router_decision.py --loop-lag --workers 32 \\
+        --prompt-tokens 1024 --indexed-blocks 200000 --event-rates 0,100000,300000,1000000
 """
 
 from __future__ import annotations
@@ -193,6 +207,135 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
     return rows
 
 
+LAG_PROBE_S = 0.001  # the probe's sleep
+DECISION_EVERY_S = 0.005  # routing decisions on the loop, one every this many seconds
+
+
+def event_stream(
+    stored: list[tuple[str, list[BlockStored]]],
+) -> list[tuple[str, list[BlockStored | BlockRemoved]]]:
+    """(worker, batch) pairs that remove and store again each stored prefix, EVENT_BLOCKS
+    block operations a batch: applied in a cycle they keep the index's size."""
+    stream: list[tuple[str, list[BlockStored | BlockRemoved]]] = []
+    for worker, events in stored[::7]:
+        stream += [(worker, [BlockRemoved(block_hashes=e.block_hashes)]) for e in events]
+        stream += [(worker, [e]) for e in events]
+    return stream
+
+
+async def _loop_lag(
+    router: KvRouter,
+    instances: list[InstanceRecord],
+    prompt: list[int],
+    stream: list[tuple[str, list]],
+    rate: float,
+    threaded: bool,
+    seconds: float,
+) -> dict:
+    """Probe lateness and decision times on the loop while `stream` is applied at `rate`
+    block operations per second, on the loop or (`threaded`) by a thread behind a lock."""
+    import asyncio
+    import threading
+
+    lock = threading.Lock() if threaded else None
+    stop = time.perf_counter() + seconds
+    applied = 0
+
+    def feed_thread() -> None:
+        nonlocal applied
+        start, i = time.perf_counter(), 0
+        while (now := time.perf_counter()) < stop:
+            due = (now - start) * rate / EVENT_BLOCKS
+            if i >= due:
+                time.sleep(min(0.001, (i + 1 - due) * EVENT_BLOCKS / rate))
+                continue
+            worker, batch = stream[i % len(stream)]
+            with lock:
+                router.indexer.apply_batch(worker, batch)
+            i += 1
+        applied = i * EVENT_BLOCKS
+
+    async def feed_loop() -> None:
+        nonlocal applied
+        start, i = time.perf_counter(), 0
+        while (now := time.perf_counter()) < stop:
+            due = (now - start) * rate / EVENT_BLOCKS
+            if i >= due:
+                await asyncio.sleep((i + 1 - due) * EVENT_BLOCKS / rate)
+                continue
+            worker, batch = stream[i % len(stream)]
+            router.indexer.apply_batch(worker, batch)
+            i += 1
+            await asyncio.sleep(0)  # one batch a loop turn, as a subscriber delivers them
+        applied = i * EVENT_BLOCKS
+
+    async def probe(lateness: list[float]) -> None:
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            await asyncio.sleep(LAG_PROBE_S)
+            lateness.append((time.perf_counter() - t0 - LAG_PROBE_S) * 1e3)
+
+    async def decide(times: list[float]) -> None:
+        i = 0
+        while time.perf_counter() < stop:
+            request = EngineRequest(
+                request_id=f"lag{i}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=1)
+            )
+            t0 = time.perf_counter()
+            if lock is None:
+                router.select(instances, request)
+            else:
+                with lock:
+                    router.select(instances, request)
+            times.append((time.perf_counter() - t0) * 1e3)
+            router.finished(request.request_id)
+            i += 1
+            await asyncio.sleep(DECISION_EVERY_S)
+
+    lateness: list[float] = []
+    decisions: list[float] = []
+    tasks = [probe(lateness), decide(decisions)]
+    thread = None
+    if rate > 0 and threaded:
+        thread = threading.Thread(target=feed_thread)
+        thread.start()
+    elif rate > 0:
+        tasks.append(feed_loop())
+    await asyncio.gather(*tasks)
+    if thread is not None:
+        await asyncio.to_thread(thread.join)
+    return {
+        "event_rate": rate,
+        "events_in": "thread" if threaded else "loop",
+        "applied_block_ops_per_s": applied / seconds,
+        "probe_lateness_p50_ms": statistics.median(lateness),
+        "probe_lateness_p99_ms": percentile(lateness, 0.99),
+        "decision_p50_ms": statistics.median(decisions),
+        "decision_p99_ms": percentile(decisions, 0.99),
+    }
+
+
+def loop_lag(
+    workers: int, prompt_tokens: int, indexed_blocks: int, rates: list[float], seconds: float
+) -> list[dict]:
+    """_loop_lag for each rate, events on the loop and in a thread, on one index."""
+    import asyncio
+
+    rng = random.Random(workers)
+    names = [f"w{i}" for i in range(workers)]
+    instances = [instance(n) for n in names]
+    router = KvRouter(None, metrics=RouterMetrics(CollectorRegistry()), seed=0, replica_sync=False)
+    stored, _, _ = build_index(router, names, indexed_blocks, rng)
+    stream = event_stream(stored)
+    prompt = [rng.randrange(4, 150_000) for _ in range(prompt_tokens)]
+    rows = []
+    for rate in rates:
+        for threaded in (False, True) if rate > 0 else (False,):
+            row = asyncio.run(_loop_lag(router, instances, prompt, stream, rate, threaded, seconds))
+            rows.append({"workers": workers, "prompt_tokens": prompt_tokens, **row})
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The script's options."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -208,6 +351,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--seconds", type=float, default=2.0, help="time spent timing each prompt length"
+    )
+    p.add_argument(
+        "--loop-lag",
+        action="store_true",
+        help="measure the event loop's lateness with KV events applied on it or in a thread",
+    )
+    p.add_argument(
+        "--event-rates",
+        default="0,100000,300000,1000000",
+        help="--loop-lag: block operations per second, comma-separated",
     )
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     return p
@@ -230,6 +383,8 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "block_size": BLOCK,
     }
+    if args.loop_lag:
+        return main_loop_lag(args, stamp, worker_counts, lengths)
     print(
         f"{'workers':>7} {'tokens':>7} {'p50 ms':>8} {'p99 ms':>8} {'hash':>7} {'walk':>7}"
         f" {'build ops/s':>12} {'churn ops/s':>12} {'load':>5}"
@@ -251,6 +406,38 @@ def main() -> int:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         print(f"recorded in {RESULTS}")
+    return 0
+
+
+def main_loop_lag(
+    args: argparse.Namespace, stamp: dict, worker_counts: list[int], lengths: list[int]
+) -> int:
+    """--loop-lag: print and record a row per (workers, prompt length, rate, place)."""
+    rates = [float(r) for r in args.event_rates.split(",")]
+    print(
+        f"{'workers':>7} {'tokens':>7} {'rate':>9} {'events in':>9} {'applied/s':>10}"
+        f" {'lag p50':>8} {'lag p99':>8} {'dec p50':>8} {'dec p99':>8} {'load':>5}"
+    )
+    rows = []
+    for workers in worker_counts:
+        for length in lengths:
+            for row in loop_lag(workers, length, args.indexed_blocks, rates, args.seconds):
+                row = {**stamp, **row, "load_average_1m": os.getloadavg()[0]}
+                rows.append(row)
+                print(
+                    f"{workers:7d} {length:7d} {row['event_rate']:9.3g} {row['events_in']:>9}"
+                    f" {row['applied_block_ops_per_s']:10.3g}"
+                    f" {row['probe_lateness_p50_ms']:8.3f} {row['probe_lateness_p99_ms']:8.3f}"
+                    f" {row['decision_p50_ms']:8.3f} {row['decision_p99_ms']:8.3f}"
+                    f" {row['load_average_1m']:5.1f}",
+                    flush=True,
+                )
+    if not args.no_record:
+        path = RESULTS.with_name("router_loop_lag.jsonl")
+        with path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        print(f"recorded in {path}")
     return 0
 
 
