@@ -11,6 +11,9 @@ import msgspec
 GENERATE_ENDPOINT = "shoal.backend.generate"
 # The endpoint a worker answers with every block it caches (a router's resync).
 KV_STATE_ENDPOINT = "shoal.backend.kv_state"
+# A prefill worker's endpoints (issue 16): prefill-only generate, and its pinned KV blocks.
+PREFILL_ENDPOINT = "shoal.prefill.generate"
+KV_BLOCKS_ENDPOINT = "shoal.prefill.kv_blocks"
 # Event-plane topics of a worker's publisher (its address: InstanceRecord.extra["kv_events"]).
 KV_EVENTS_TOPIC = "kv"
 LOAD_TOPIC = "load"
@@ -86,6 +89,53 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     ranks: list[int]
 
 
+class KVLayout(msgspec.Struct, kw_only=True, frozen=True):
+    """The shape of an engine's KV cache blocks: a transfer moves [num_layers, 2 (K, V),
+    blocks, block_size, num_kv_heads, head_dim] of `dtype` (a torch dtype name)."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Disaggregated prefill (issue 16). On a request to a prefill worker: only
+    `do_remote_decode`, keep the prompt's KV blocks pinned for a decode worker. On that
+    worker's final output, and on the request the frontend then sends a decode worker: where
+    the pinned blocks are and what they hold."""
+
+    do_remote_decode: bool = False
+    worker_id: str = ""
+    address: str = ""  # the prefill worker's request plane
+    request_id: str = ""  # the prefill engine request holding the blocks
+    block_ids: list[int] = msgspec.field(default_factory=list)
+    block_hashes: list[int] = msgspec.field(default_factory=list)  # kv_hash of the full blocks
+    num_tokens: int = 0  # prompt tokens whose KV the blocks hold
+    layout: KVLayout | None = None
+    backends: list[str] = msgspec.field(default_factory=list)  # transfers offered, best first
+
+
+class KVBlocksRequest(msgspec.Struct, kw_only=True):
+    """Decode to prefill worker: send pinned blocks first_block.. of `request_id`
+    (num_blocks None: all the rest, 0: none), then unpin them all if `release`."""
+
+    request_id: str
+    first_block: int = 0
+    num_blocks: int | None = None
+    release: bool = True
+
+
+class KVBlocksChunk(msgspec.Struct, kw_only=True):
+    """Blocks first_block..first_block+num_blocks of a pinned request, as [num_layers, 2,
+    num_blocks, block_size, num_kv_heads, head_dim] in the layout's dtype, C order."""
+
+    first_block: int
+    num_blocks: int
+    data: bytes
+
+
 class EngineRequest(msgspec.Struct, kw_only=True):
     """A token-level request sent to a worker."""
 
@@ -100,6 +150,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # generator moves past their draws) and its penalties count them as output, while
     # sampling.max_tokens and min_tokens count only the tokens still to come.
     num_output_tokens_before: int = 0
+    kv_transfer: KVTransferParams | None = None  # disaggregated prefill (KVTransferParams)
 
 
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -115,6 +166,7 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer: KVTransferParams | None = None  # a prefill worker's pinned blocks
 
     @property
     def finished(self) -> bool:

@@ -32,6 +32,7 @@ class KVCacheManager:
         self.block_table = BlockTable()  # the same block ids, one numpy row per request
         self.rows: dict[str, int] = {}  # request id -> its row of block_table
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request in the cache
+        self.pinned: dict[str, list[KVBlock]] = {}  # blocks kept for a remote decode, by request
         self.stats = PrefixCacheStats()
 
     @property
@@ -122,6 +123,35 @@ class KVCacheManager:
         row = self.rows.pop(request.request_id, None)
         if row is not None:
             self.block_table.free_row(row)
+
+    def pin(self, request: Request, num_tokens: int) -> list[KVBlock]:
+        """Hold the blocks of the request's first num_tokens tokens past its end (for a
+        decode worker to pull); they count as in use until unpin."""
+        blocks = self.req_blocks[request.request_id][: self.blocks_needed(num_tokens)]
+        self.pool.touch(blocks)
+        self.pinned[request.request_id] = blocks
+        return blocks
+
+    def unpin(self, request_id: str) -> int:
+        """Release a request's pinned blocks (they stay cached until evicted); how many."""
+        blocks = self.pinned.pop(request_id, [])
+        self.pool.free(reversed(blocks))
+        return len(blocks)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(b) for b in self.pinned.values())
+
+    def num_cached_prefix_blocks(self, block_hashes: list[int]) -> int:
+        """How many leading blocks of these hashes the prefix cache holds now."""
+        if not self.enable_caching:
+            return 0
+        count = 0
+        for h in block_hashes:
+            if self.pool.lookup(h) is None:
+                break
+            count += 1
+        return count
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks[request.request_id]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +15,17 @@ from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from shoal.kv_hash import extra_key
+from shoal.kv_hash import extra_key, hash_blocks
 from shoal.models.config import ModelConfig
 from shoal.models.loader import load_model, resolve_model_dir
-from shoal.protocol import EngineOutput, EngineRequest, KVEvent, SamplingParams
+from shoal.protocol import (
+    EngineOutput,
+    EngineRequest,
+    KVEvent,
+    KVLayout,
+    KVTransferParams,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +121,14 @@ class LLMEngine:
             self.kv,
         )
         self.requests: dict[str, list[Request]] = {}  # request id -> its sequences
+        # disaggregation: prefills to pin for a decode worker, the pinned requests' transfer
+        # parameters, KV staged for a request about to arrive, and those waiting to start
+        self._remote_decode: set[str] = set()
+        self.pinned: dict[str, KVTransferParams] = {}
+        self._staged: dict[str, tuple[int, torch.Tensor]] = {}
+        self._injecting: deque[tuple[Request, int, torch.Tensor]] = deque()
+        self.num_kv_injected = 0  # requests started from transferred KV
+        self.num_kv_inject_fallbacks = 0  # requests with staged KV prefilled here instead
         self._in_flight: _Step | None = None  # launched, not yet completed (async scheduling)
         async_default = self.device.type == "cuda"
         self.async_scheduling = (
@@ -244,6 +260,12 @@ class LLMEngine:
                 )
             )
         self.requests[rid] = seqs
+        staged = self._staged.pop(rid, None)
+        if request.kv_transfer is not None and request.kv_transfer.do_remote_decode and sp.n == 1:
+            self._remote_decode.add(rid)
+        if staged is not None and sp.n == 1:
+            self._injecting.append((seqs[0], *staged))
+            return
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -275,12 +297,19 @@ class LLMEngine:
 
         Unknown ids are ignored.
         """
+        self._staged.pop(request_id, None)
         seqs = self.requests.get(request_id)
         if not seqs:
             return
         stopped = seqs if index is None else [seqs[index]]
+        self._remote_decode.discard(request_id)
         for seq in stopped:
             seq.finish_reason = seq.finish_reason or "abort"
+            for i, item in enumerate(self._injecting):
+                if item[0] is seq:
+                    del self._injecting[i]
+                    seq.status = RequestStatus.FINISHED  # it held no blocks yet
+                    break
         self.scheduler.finish(stopped)
         if all(s.is_finished for s in seqs):
             del self.requests[request_id]
@@ -304,6 +333,8 @@ class LLMEngine:
         outputs: list[EngineOutput] = []
         if self._in_flight is not None and self._in_flight.needs_history:
             outputs, self._in_flight = self._complete(self._in_flight), None
+        if self._injecting:
+            self._admit_injected()
         sched = self.scheduler.schedule()
         launched = self._launch(sched) if sched.requests else None
         if self._in_flight is not None:
@@ -351,6 +382,12 @@ class LLMEngine:
             touched.append(req)
             if req.check_stop(self.max_model_len):
                 finished.append(req)
+        if self._remote_decode:
+            for req in finished:
+                if req.request_id in self._remote_decode:
+                    self._remote_decode.discard(req.request_id)
+                    if req.finish_reason == "length":
+                        self._pin(req)
         self.scheduler.finish(finished)
         outputs = [self._output(req) for req in touched]
         for req in finished:
@@ -376,7 +413,94 @@ class LLMEngine:
             out.new_logprobs, req.new_logprobs = req.new_logprobs, []
         if first and req.wants_prompt_logprobs:
             out.prompt_logprobs = [None, *req.prompt_logprobs]
+        if req.finish_reason is not None and self.pinned:
+            out.kv_transfer = self.pinned.get(req.request_id)
         return out
+
+    # ---- disaggregated prefill: KV export (prefill side) and injection (decode side)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The layout of this engine's KV blocks as a transfer moves them."""
+        cfg = self.model_config
+        return KVLayout(
+            num_layers=cfg.num_layers,
+            block_size=self.kv.block_size,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=str(cfg.dtype).removeprefix("torch."),
+        )
+
+    def _pin(self, req: Request) -> None:
+        """Keep a finished prefill's prompt blocks for a decode worker to pull."""
+        n = req.num_prompt_tokens
+        blocks = self.kv.pin(req, n)
+        self.pinned[req.request_id] = KVTransferParams(
+            request_id=req.request_id,
+            block_ids=[b.block_id for b in blocks],
+            block_hashes=req.update_block_hashes(self.kv.block_size)[: n // self.kv.block_size],
+            num_tokens=n,
+            layout=self.kv_layout,
+        )
+
+    def release_kv(self, request_id: str) -> int:
+        """Unpin a prefill's blocks (unknown ids: none); returns how many were pinned."""
+        self.pinned.pop(request_id, None)
+        return self.kv.unpin(request_id)
+
+    def read_kv_blocks(self, request_id: str, first: int, count: int) -> torch.Tensor:
+        """A host copy of pinned blocks first..first+count of a prefill (KVLayout's shape)."""
+        params = self.pinned.get(request_id)
+        if params is None:
+            raise ValueError(f"no KV blocks pinned for request {request_id!r}")
+        return self.runner.read_blocks(params.block_ids[first : first + count])
+
+    def num_cached_prefix_blocks(self, token_ids: list[int], lora_id: int | None = None) -> int:
+        """Leading full blocks of these tokens held in the prefix cache now."""
+        hashes = hash_blocks(token_ids, self.kv.block_size, extra_key(lora_id))
+        return self.kv.num_cached_prefix_blocks(hashes)
+
+    def stage_kv(self, request_id: str, first_block: int, data: torch.Tensor) -> None:
+        """Hold the prompt KV from block first_block on for the request about to be added
+        under this id (its prompt: the prefill's prompt and first token)."""
+        self._staged[request_id] = (first_block, data)
+
+    def _admit_injected(self) -> None:
+        """Start the requests with transferred KV, first in line for seats and blocks."""
+        while self._injecting and len(self.scheduler.running) < self.config.max_num_seqs:
+            seq, first, data = self._injecting[0]
+            if not self._inject(seq, first, data):
+                return
+            self._injecting.popleft()
+
+    def _inject(self, seq: Request, first: int, data: torch.Tensor) -> bool:
+        """Give `seq` blocks holding its prompt's KV: cache hits, then the transferred
+        blocks; False to wait for free blocks. Where the transfer cannot be used (cached
+        blocks evicted meanwhile, a mismatched shape, a pool that stays short) the request
+        is queued to prefill here instead."""
+        size, n = self.kv.block_size, seq.num_tokens - 1
+        hits, _ = self.kv.get_computed_blocks(seq)
+        total = self.kv.blocks_needed(n)
+        usable = len(hits) >= first and data.shape[2] == total - first
+        if usable and not self.kv.allocate_slots(seq, seq.num_tokens - len(hits) * size, hits):
+            if self.scheduler.running:
+                return False
+            usable = False
+        if not usable:
+            log.info("request %s: transferred KV unusable, prefilling here", seq.request_id)
+            self.num_kv_inject_fallbacks += 1
+            self.scheduler.add(seq)
+            return True
+        ids = self.kv.block_ids(seq)[len(hits) : total]
+        if ids:
+            self.runner.write_blocks(ids, data[:, :, len(hits) - first :])
+        seq.num_computed_tokens = n
+        seq.num_cached_tokens = len(hits) * size
+        seq.status = RequestStatus.RUNNING
+        self.scheduler.running.append(seq)
+        self.kv.cache_blocks(seq)
+        self.num_kv_injected += 1
+        return True
 
     # ---- state for the serving layer
 

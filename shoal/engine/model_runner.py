@@ -141,6 +141,19 @@ class ModelRunner:
                     model, device, max_num_seqs, max_blocks, self.decode_workspace
                 )
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A host copy of these blocks' KV: [layers, 2, blocks, block_size, heads, head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        out = torch.stack([cache.index_select(1, index) for cache in self.kv_caches])
+        return out.cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite these blocks' KV with `data` (read_blocks' layout, any device)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        data = data.to(self.device, non_blocking=True)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, index, data[layer])
+
     def capture_graphs(self) -> float:
         """Capture the decode CUDA graphs; returns seconds spent (0 when graphs are off)."""
         return self.graphs.capture() if self.graphs is not None else 0.0

@@ -64,6 +64,42 @@ WORKER = FlagGroup(
 )
 
 
+ROLE = FlagGroup(
+    "worker role",
+    (
+        Flag(
+            "role",
+            "both: prefill and decode (aggregated); prefill: compute prompts and hand their KV "
+            "to decode workers; decode: take prompts' KV from prefill workers and generate",
+            default="both",
+            choices=("both", "prefill", "decode"),
+        ),
+    ),
+    about="A worker's part in disaggregated serving (docs/disagg.md).",
+)
+KV_TRANSFER = FlagGroup(
+    "kv transfer",
+    (
+        Flag(
+            "kv-transfer-backend",
+            "how decode workers pull KV blocks from prefill workers: auto (the best "
+            "available), host (host memory over the request plane)",
+            default="auto",
+            choices=("auto", "host"),
+        ),
+        Flag(
+            "kv-pin-timeout",
+            "seconds a prefill worker keeps a prompt's KV blocks for a decode worker that "
+            "does not come for them",
+            float,
+            30.0,
+        ),
+    ),
+    about="KV transfer between prefill and decode workers (`shoal serve` passes these to "
+    "its workers).",
+)
+
+
 def add_engine_choice_args(parser: FlagParser) -> None:
     """--engine, and the mocker's flags that go with it."""
     parser.add_group(ENGINE_CHOICE)
@@ -80,6 +116,8 @@ def configure(parser: FlagParser) -> None:
     add_engine_choice_args(parser)
     parser.add_group(MODEL_NAME)
     parser.add_group(WORKER)
+    parser.add_group(ROLE)
+    parser.add_group(KV_TRANSFER)
     parser.add_group(RUNTIME)
     parser.add_group(LOGGING)
     parser.set_defaults(func=run_worker)
@@ -149,6 +187,9 @@ def run_worker(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
                 stats_interval=args.stats_interval,
                 advertise_host=advertise_host,
+                role=args.role,
+                pin_timeout=args.kv_pin_timeout,
+                kv_transfer_backend=args.kv_transfer_backend,
                 **runtime_options(args),
             )
         )

@@ -13,17 +13,24 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 
+from shoal.disagg.metrics import DisaggMetrics
+from shoal.disagg.receiver import KVReceiver
+from shoal.disagg.source import PIN_TIMEOUT, KVSource
+from shoal.disagg.transport import make_transport
 from shoal.engine.async_llm import AsyncLLM, EngineDeadError
 from shoal.engine.llm_engine import LLMEngine
 from shoal.models.loader import resolve_model_dir
 from shoal.protocol import (
     GENERATE_ENDPOINT,
+    KV_BLOCKS_ENDPOINT,
     KV_STATE_ENDPOINT,
     MODEL_FILE_CHUNK,
     MODEL_FILE_NAMES,
     MODEL_FILES_ENDPOINT,
+    PREFILL_ENDPOINT,
     EngineOutput,
     EngineRequest,
+    KVBlocksRequest,
     KVStateDump,
     KVStateRequest,
     ModelCard,
@@ -42,6 +49,7 @@ log = logging.getLogger(__name__)
 LOAD_INTERVAL = 0.2  # seconds between load reports (and metric refreshes)
 DEFAULT_STATS_INTERVAL = 10.0  # seconds between engine stats log lines
 MAX_N = 256  # sequences per request
+ROLES = ("both", "prefill", "decode")  # a worker's part in disaggregated serving
 _INT64 = (-(2**63), 2**63 - 1)
 _UINT64_MAX = 2**64 - 1
 
@@ -98,6 +106,8 @@ class Worker:
         self.stats = StatsLogger()
         core = engine.engine
         self.vocab_size = core.model_config.vocab_size
+        self.source: KVSource | None = None  # a prefill worker's pinned KV blocks
+        self.receiver: KVReceiver | None = None  # a decode worker's KV pulls
         self.model_files = model_files or {}
         self.card = ModelCard(
             model_name=served_model_name,
@@ -109,7 +119,21 @@ class Worker:
         )
 
     def generate(self, request: EngineRequest, sink: StreamSink) -> None:
-        """The endpoint's push handler: each engine output goes straight into the stream.
+        """The endpoint's push handler: each engine output goes straight into the stream;
+        a request carrying a prefill worker's KV pulls what the engine lacks first."""
+        remote = request.kv_transfer
+        if remote is not None and remote.request_id and self.receiver is not None:
+            task = asyncio.ensure_future(self._receive_then_start(request, sink))
+            sink.on_cancel = task.cancel
+            return
+        self._start(request, sink)
+
+    async def _receive_then_start(self, request: EngineRequest, sink: StreamSink) -> None:
+        await self.receiver.receive(request)
+        self._start(request, sink)
+
+    def _start(self, request: EngineRequest, sink: StreamSink) -> None:
+        """Run the request in the engine, each output straight into the stream.
 
         A request the engine refuses ends with its error message; one whose engine step
         failed ends with a handler error; if the engine died, the stream ends as if the worker
@@ -120,6 +144,8 @@ class Worker:
 
         def on_output(out: EngineOutput, last: bool) -> None:
             count(len(out.new_token_ids))
+            if last and out.kv_transfer is not None and self.source is not None:
+                self.source.pinned(out.kv_transfer)
             sink.send(out)
             if last:
                 sink.end()
@@ -171,6 +197,8 @@ class Worker:
 
     def _tick(self, core: LLMEngine) -> None:
         self.publisher.publish_load(core)
+        if self.source is not None:
+            self.source.update(core)
         if self.metrics is not None:
             self.metrics.update(core)
 
@@ -202,6 +230,9 @@ async def serve_worker(
     plane_secret: str | None = None,
     dead_after: float | None = None,
     stats_interval: float = DEFAULT_STATS_INTERVAL,
+    role: str = "both",
+    pin_timeout: float = PIN_TIMEOUT,
+    kv_transfer_backend: str = "auto",
 ) -> None:
     """Start the engine, register, serve until SIGTERM/SIGINT, then drain and exit.
 
@@ -209,6 +240,9 @@ async def serve_worker(
     0.0.0.0); plane_secret: shared secret of the request and event planes (None: off);
     dead_after: seconds of total silence after which a peer counts as dead (None: the
     runtime's default, 60); stats_interval: seconds between engine stats log lines (0: off).
+    role: both (aggregated), prefill (serves PREFILL_ENDPOINT and its pinned KV blocks,
+    unpinned after pin_timeout s at the latest) or decode (pulls KV with the
+    kv_transfer_backend); see docs/disagg.md.
     Raises SystemExit(1) after withdrawing from discovery if the engine loop dies.
     """
     loop = asyncio.get_running_loop()
@@ -240,6 +274,12 @@ async def serve_worker(
         metrics.serve(metrics_port, host, healthy=lambda: engine.alive)
     files = await asyncio.to_thread(read_model_files, engine.engine)
     worker = Worker(engine, served_model_name, publisher, metrics, files)
+    disagg = DisaggMetrics(served_model_name, metrics.registry)
+    if role == "prefill":
+        worker.source = KVSource(engine, disagg, pin_timeout)
+    else:
+        transport = make_transport(kv_transfer_backend, runtime.requests)
+        worker.receiver = KVReceiver(engine, transport, engine.engine.kv_layout, disagg)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -250,17 +290,23 @@ async def serve_worker(
     await runtime.serve_endpoint(
         MODEL_FILES_ENDPOINT, worker.model_files_handler, ModelFilesRequest
     )
+    if worker.source is not None:
+        await runtime.serve_endpoint(KV_BLOCKS_ENDPOINT, worker.source.kv_blocks, KVBlocksRequest)
     served = await runtime.serve_endpoint(
-        GENERATE_ENDPOINT,
+        PREFILL_ENDPOINT if role == "prefill" else GENERATE_ENDPOINT,
         worker.generate,
         EngineRequest,
         push=True,
         card=worker.card,
-        extra={"kv_events": publisher.address},
+        extra={"kv_events": publisher.address, "role": role},
     )
+    if worker.source is not None:
+        worker.source.worker_id = runtime.instance_id
+        worker.source.address = served.record.address
     log.info(
-        "worker %s serving %s at %s, KV events at %s",
+        "worker %s (role %s) serving %s at %s, KV events at %s",
         runtime.instance_id,
+        role,
         served_model_name,
         served.record.address,
         publisher.address,
@@ -275,6 +321,8 @@ async def serve_worker(
             log.info("worker %s draining (up to %.0fs)", runtime.instance_id, drain_timeout)
             await served.stop(drain_timeout)
     finally:
+        if worker.source is not None:
+            await worker.source.close()
         for task in background:
             task.cancel()
         for task in background:
