@@ -1,0 +1,347 @@
+"""What the serving path costs on its own, with mocker workers in place of GPUs (issue 15).
+
+    .venv/bin/python benchmarks/frontend_bench.py latency --step-ms 10
+    .venv/bin/python benchmarks/frontend_bench.py ceiling --api-server-count 1
+    .venv/bin/python benchmarks/frontend_bench.py ceiling --api-server-count 1 --profile
+
+Starts `shoal worker --engine mocker` processes whose every step takes exactly --step-ms
+(every other timing coefficient 0) and a `shoal frontend` (--api-server-count N) on one file
+discovery folder, and drives the frontend with a raw-socket HTTP client (one keep-alive
+connection per stream, streamed completions with ignore_eos and usage, bytes read as they
+come: the client parses no JSON per token).
+
+latency: one stream at a time. A request's first token needs one engine step and each
+later token one more, so TTFT and ITL minus --step-ms is what the frontend, the request
+plane and the worker's host side add.
+ceiling: --concurrency streams for --duration seconds with --step-ms 0: the tokens/s one
+frontend process (or N) delivers to clients, with the CPU seconds each process used (from
+/proc), so the frontend's tokens per CPU-second say what it would reach on a core of its
+own. --profile runs the frontend (one process) under cProfile and records where its time
+goes.
+
+Appends a record per run to benchmarks/results/frontend.jsonl (provenance, the host's core
+count and load average before the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import pstats
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results" / "frontend.jsonl"
+VOCAB = 4096
+TIMING = ("prefill-token-us", "prefill-attention-ns", "decode-seq-us", "decode-kv-ns")
+USAGE = re.compile(rb'"completion_tokens":(\d+)')
+END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked HTTP/1.1 body
+
+
+def make_model_dir(folder: Path) -> Path:
+    """A llama config and a word tokenizer: all a mocker worker and the frontend read."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+class Deployment:
+    """Mocker workers and a frontend on a private discovery folder; stop() ends them."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        model = make_model_dir(work / "model")
+        discovery = f"file://{work / 'discovery'}"
+        self.port = free_port()
+        self.logs = (work / "processes.log").open("w")
+        worker = [sys.executable, "-m", "shoal", "worker", "--model", str(model)]
+        worker += ["--engine", "mocker", "--mocker-base-ms", str(args.step_ms)]
+        worker += [a for flag in TIMING for a in (f"--mocker-{flag}", "0")]
+        worker += ["--discovery", discovery, "--served-model-name", "mock"]
+        worker += ["--log-level", "warning"]
+        self.workers = [self._start(worker) for _ in range(args.workers)]
+        frontend = ["-m", "shoal", "frontend", "--discovery", discovery, "--port", str(self.port)]
+        frontend += ["--api-server-count", str(args.api_server_count), "--no-access-log"]
+        frontend += ["--log-level", "warning"]
+        self.profile = work / "frontend.prof" if args.profile else None
+        prefix = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
+        self.frontend = self._start([sys.executable, *prefix, *frontend])
+        self._wait_ready(args.workers)
+
+    def _start(self, argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, cwd=ROOT, stdout=self.logs, stderr=self.logs)
+
+    def _wait_ready(self, workers: int, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self.port}/health"
+        while time.monotonic() < deadline:
+            for proc in [self.frontend, *self.workers]:
+                if proc.poll() is not None:
+                    raise SystemExit(f"{proc.args[:4]} exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200 and len(json.load(response)["models"]) == 1:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"not ready after {timeout:.0f}s")
+
+    def frontend_pids(self) -> list[int]:
+        """The processes that serve HTTP: the frontend, or its --api-server-count children."""
+        return children(self.frontend.pid) or [self.frontend.pid]
+
+    def cpu(self) -> dict[str, float]:
+        return {
+            "frontend": sum(cpu_seconds(p) for p in self.frontend_pids()),
+            "workers": sum(cpu_seconds(p.pid) for p in self.workers),
+        }
+
+    def stop(self) -> None:
+        for proc in [self.frontend, *self.workers]:
+            proc.send_signal(signal.SIGTERM)
+        for proc in [self.frontend, *self.workers]:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.logs.close()
+
+
+def request_bytes(port: int, max_tokens: int, prompt_words: int) -> bytes:
+    body = json.dumps(
+        {
+            "model": "mock",
+            "prompt": " ".join(f"w{3 + i % 100}" for i in range(prompt_words)),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def stream_once(reader, writer, request: bytes, times: list[float] | None) -> int:
+    """Send one streamed request on a kept-alive connection; its completion tokens. With
+    `times`, append the arrival time of each token event (one per read that holds any)."""
+    writer.write(request)
+    tail = b""
+    headers_done = False
+    while True:
+        data = await reader.read(1 << 16)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        now = time.perf_counter()
+        if not headers_done:
+            head, sep, data = (tail + data).partition(b"\r\n\r\n")
+            if not sep:
+                tail = head
+                continue
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
+            headers_done, tail = True, b""
+        if times is not None and b'"text"' in data:
+            times.extend([now] * data.count(b'"text"'))
+        tail = (tail + data)[-512:]
+        if tail.endswith(END):
+            return int(USAGE.findall(tail)[-1])
+
+
+async def latency(port: int, args: argparse.Namespace) -> dict:
+    """Sequential streams: TTFT and ITL percentiles (ms) and what they add to a step."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    request = request_bytes(port, args.max_tokens, args.prompt_words)
+    ttft, itl = [], []
+    for i in range(args.warmup + args.requests):
+        times: list[float] = []
+        start = time.perf_counter()
+        await stream_once(reader, writer, request, times)
+        if i >= args.warmup:
+            ttft.append(times[0] - start)
+            itl.extend(b - a for a, b in itertools.pairwise(times))
+    writer.close()
+    ms = {
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "ttft_p90_ms": 1e3 * statistics.quantiles(ttft, n=10)[-1],
+        "itl_p50_ms": 1e3 * statistics.median(itl),
+        "itl_p90_ms": 1e3 * statistics.quantiles(itl, n=10)[-1],
+    }
+    ms["ttft_added_ms"] = ms["ttft_p50_ms"] - args.step_ms
+    ms["itl_added_ms"] = ms["itl_p50_ms"] - args.step_ms
+    return ms
+
+
+async def ceiling(port: int, args: argparse.Namespace, deployment: Deployment) -> dict:
+    """--concurrency streams for --duration s: tokens/s delivered and CPU per process."""
+    request = request_bytes(port, args.max_tokens, args.prompt_words)
+    tokens = 0
+    stop_at = 0.0
+
+    async def client() -> None:
+        nonlocal tokens
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while time.perf_counter() < stop_at:
+            got = await stream_once(reader, writer, request, None)
+            if time.perf_counter() <= stop_at:
+                tokens += got
+        writer.close()
+
+    stop_at = time.perf_counter() + args.warmup_s
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    tokens = 0
+    before, client_before = deployment.cpu(), time.process_time()
+    start = time.perf_counter()
+    stop_at = start + args.duration
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    wall = time.perf_counter() - start
+    after, client_cpu = deployment.cpu(), time.process_time() - client_before
+    cpu = {name: after[name] - before[name] for name in after}
+    # Streams still finishing after stop_at are not counted, but their time is: a slight
+    # underestimate, at most one stream length per client.
+    return {
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+        "frontend_cpu_s": cpu["frontend"],
+        "workers_cpu_s": cpu["workers"],
+        "client_cpu_s": client_cpu,
+        "frontend_tokens_per_cpu_s": tokens / max(cpu["frontend"], 1e-9),
+    }
+
+
+def profile_top(path: Path, rows: int) -> list[str]:
+    """The functions with the most own time in the frontend's profile."""
+    stats = pstats.Stats(str(path))
+    total = stats.total_tt
+    ranked = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:rows]
+    return [
+        f"{100 * tt / total:5.1f}% {Path(file).name}:{line}({name})"
+        for (file, line, name), (_, _, tt, _, _) in ranked
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("mode", choices=["latency", "ceiling"])
+    p.add_argument("--step-ms", type=float, help="every mocker step (latency 10, ceiling 0)")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--api-server-count", type=int, default=1)
+    p.add_argument("--requests", type=int, default=40, help="latency: measured streams")
+    p.add_argument("--warmup", type=int, default=5, help="latency: streams not measured")
+    p.add_argument("--concurrency", type=int, default=128, help="ceiling: streams at once")
+    p.add_argument("--duration", type=float, default=20.0, help="ceiling: measured seconds")
+    p.add_argument("--warmup-s", type=float, default=3.0, help="ceiling: seconds not measured")
+    p.add_argument("--max-tokens", type=int, help="tokens per stream (latency 64, ceiling 512)")
+    p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument("--profile", action="store_true", help="cProfile the frontend (ceiling)")
+    p.add_argument("--no-record", action="store_true", help="print only, append nothing")
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    latency_mode = args.mode == "latency"
+    if args.step_ms is None:
+        args.step_ms = 10.0 if latency_mode else 0.0
+    if args.max_tokens is None:
+        args.max_tokens = 64 if latency_mode else 512
+    if args.profile and args.api_server_count != 1:
+        raise SystemExit("--profile profiles one frontend process: --api-server-count 1")
+    load = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="shoal-frontend-bench-"))
+    deployment = Deployment(args, work)
+    try:
+        if latency_mode:
+            figures = asyncio.run(latency(deployment.port, args))
+        else:
+            figures = asyncio.run(ceiling(deployment.port, args, deployment))
+    finally:
+        deployment.stop()
+    record = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **provenance(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "loadavg_before": [round(x, 2) for x in load],
+        "mode": args.mode,
+        "step_ms": args.step_ms,
+        "workers": args.workers,
+        "api_server_count": args.api_server_count,
+        "max_tokens": args.max_tokens,
+        "prompt_words": args.prompt_words,
+        **({"requests": args.requests} if latency_mode else {}),
+        **({} if latency_mode else {"concurrency": args.concurrency, "duration_s": args.duration}),
+        "profiled": args.profile,
+        **{k: round(v, 4) for k, v in figures.items()},
+    }
+    if deployment.profile is not None and deployment.profile.exists():
+        record["profile_top"] = profile_top(deployment.profile, 25)
+    print(json.dumps(record, indent=1))
+    if not args.no_record:
+        RESULTS.parent.mkdir(exist_ok=True)
+        with RESULTS.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
