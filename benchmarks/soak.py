@@ -1,0 +1,362 @@
+"""Soak: concurrent streams for minutes against `shoal serve --engine mocker`, one worker
+killed (SIGKILL) every K seconds and started again by serve (--restart-workers).
+
+    .venv/bin/python benchmarks/soak.py --streams 1000 --minutes 10 --kill-every 60
+
+Each of --streams clients sends streamed completions (ignore_eos, --min-tokens to
+--max-tokens tokens) one after another until the time is up; the run then waits for the
+requests in flight. Reported, and appended to benchmarks/results/soak.jsonl:
+
+- requests lost (goal 0): ended without every token, by an HTTP error, an SSE error event,
+  a short stream or a broken connection; errors by kind;
+- TTFT and the longest pause between two chunks, p50/p99, of migrated requests (the
+  frontend's log names each request it moved to another worker), of retried ones (moved
+  before their first token) and of undisturbed ones;
+- RSS of the frontend and of the workers over time, sampled from /proc (goal: flat).
+
+The client is one asyncio process; on a small machine it competes with serve for the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance
+from serving_bench import make_model_dir, word
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results" / "soak.jsonl"
+MOVED = re.compile(r"request (\S+?)@\S+: worker \S+ failed \(.*\); (retrying|migration \d+)")
+MODEL = "soak"
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it (times in seconds)."""
+
+    request_id: str | None
+    ttft: float | None
+    max_gap: float
+    error: str | None
+
+
+async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Outcome:
+    """Stream one completion to its end; what went wrong, if anything."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.monotonic()
+    request_id, first, last, gap = None, None, start, 0.0
+    error, finish, tokens = None, None, None
+    decode = msgspec.json.decode
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                return Outcome(None, None, 0.0, f"http_{reply.status_code}")
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = decode(line[6:])
+                if "error" in event:
+                    error = f"sse_{event['error'].get('code') or event['error'].get('type')}"
+                    continue
+                request_id = event.get("id", request_id)
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if not event.get("choices"):
+                    continue
+                now = time.monotonic()
+                first = now if first is None else first
+                gap, last = max(gap, now - last), now
+                finish = event["choices"][0].get("finish_reason") or finish
+    except httpx.HTTPError as e:
+        error = f"client_{type(e).__name__}"
+    if error is None and (finish != "length" or tokens != max_tokens):
+        error = "short_stream"
+    ttft = None if first is None else first - start
+    return Outcome(request_id, ttft, gap if first is not None else 0.0, error)
+
+
+async def client(
+    http: httpx.AsyncClient, rng: random.Random, args: argparse.Namespace, until: float, into: list
+) -> None:
+    """Requests one after another until `until`."""
+    while time.monotonic() < until:
+        words = " ".join(word(rng.randrange(3, 384)) for _ in range(rng.randint(20, 200)))
+        into.append(await one_request(http, words, rng.randint(args.min_tokens, args.max_tokens)))
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident set size of a process, from /proc; None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def worker_pids(serve_pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(serve_pid)], capture_output=True, text=True)
+    return sorted(int(p) for p in out.stdout.split())
+
+
+async def killer(
+    serve_pid: int, every: float, start: float, until: float, rng: random.Random, kills: list
+) -> None:
+    """SIGKILL one worker every `every` seconds until `until`."""
+    while time.monotonic() + every < until:
+        await asyncio.sleep(every)
+        pids = worker_pids(serve_pid)
+        if pids:
+            victim = rng.choice(pids)
+            os.kill(victim, signal.SIGKILL)
+            kills.append({"t_s": round(time.monotonic() - start, 1), "pid": victim})
+            print(f"  {kills[-1]['t_s']:7.1f}s  killed worker {victim}", flush=True)
+
+
+async def sampler(
+    serve_pid: int, every: float, start: float, outcomes: list, samples: list
+) -> None:
+    """RSS of the frontend and each worker every `every` seconds."""
+    while True:
+        workers = {pid: rss_mb(pid) for pid in worker_pids(serve_pid)}
+        workers = {pid: mb for pid, mb in workers.items() if mb is not None}
+        sample = {
+            "t_s": round(time.monotonic() - start, 1),
+            "frontend_mb": round(rss_mb(serve_pid) or 0.0, 1),
+            "workers_mb": {str(pid): round(mb, 1) for pid, mb in workers.items()},
+            "done": len(outcomes),
+        }
+        samples.append(sample)
+        worst = max(workers.values(), default=0.0)
+        print(
+            f"  {sample['t_s']:7.1f}s  frontend {sample['frontend_mb']:7.1f} MB  workers "
+            f"{len(workers)} (max {worst:6.1f} MB)  requests done {len(outcomes)}",
+            flush=True,
+        )
+        await asyncio.sleep(every)
+
+
+async def drive(args: argparse.Namespace, serve_pid: int, url: str) -> dict:
+    """The clients, the killer and the sampler; everything they saw."""
+    start = time.monotonic()
+    until = start + args.minutes * 60
+    outcomes: list[Outcome] = []
+    kills: list[dict] = []
+    samples: list[dict] = []
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=args.streams + 16, max_keepalive_connections=None)
+    timeout = httpx.Timeout(30.0, read=args.read_timeout, pool=None)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+        clients = [
+            asyncio.create_task(client(http, random.Random(rng.random()), args, until, outcomes))
+            for _ in range(args.streams)
+        ]
+        side = [
+            asyncio.create_task(killer(serve_pid, args.kill_every, start, until, rng, kills)),
+            asyncio.create_task(sampler(serve_pid, args.sample_every, start, outcomes, samples)),
+        ]
+        await asyncio.gather(*clients)
+        for task in side:
+            task.cancel()
+        await asyncio.gather(*side, return_exceptions=True)
+    return {"outcomes": outcomes, "kills": kills, "samples": samples}
+
+
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    ms = np.asarray(values) * 1000
+    return {
+        "n": len(values),
+        "p50_ms": round(float(np.percentile(ms, 50)), 1),
+        "p99_ms": round(float(np.percentile(ms, 99)), 1),
+        "max_ms": round(float(ms.max()), 1),
+    }
+
+
+def moved_requests(log_text: str) -> tuple[set[str], set[str]]:
+    """Request ids the frontend migrated (after output) and retried (before any)."""
+    migrated, retried = set(), set()
+    for match in MOVED.finditer(log_text):
+        (retried if match.group(2) == "retrying" else migrated).add(match.group(1))
+    return migrated, retried - migrated
+
+
+def rss_summary(samples: list[dict]) -> dict:
+    """Frontend RSS early (after a tenth of the run) and at the end; each worker's likewise."""
+    if not samples:
+        return {}
+    early = samples[min(len(samples) - 1, max(1, len(samples) // 10))]
+    last = samples[-1]
+    worker_series: dict[str, list[float]] = {}
+    for sample in samples:
+        for pid, mb in sample["workers_mb"].items():
+            worker_series.setdefault(pid, []).append(mb)
+    long_lived = {pid: s for pid, s in worker_series.items() if len(s) >= len(samples) // 2}
+    return {
+        "frontend_mb": {
+            "early": early["frontend_mb"],
+            "last": last["frontend_mb"],
+            "max": max(s["frontend_mb"] for s in samples),
+        },
+        "long_lived_workers_mb": {
+            pid: {"early": s[min(len(s) - 1, max(1, len(s) // 10))], "last": s[-1], "max": max(s)}
+            for pid, s in long_lived.items()
+        },
+        "all_workers_max_mb": max((max(s) for s in worker_series.values()), default=0.0),
+    }
+
+
+def summarize(seen: dict, log_text: str) -> dict:
+    outcomes: list[Outcome] = seen["outcomes"]
+    migrated, retried = moved_requests(log_text)
+    groups: dict[str, list[Outcome]] = {"undisturbed": [], "migrated": [], "retried": []}
+    for o in outcomes:
+        if o.error is None:
+            kind = (
+                "migrated"
+                if o.request_id in migrated
+                else "retried"
+                if o.request_id in retried
+                else "undisturbed"
+            )
+            groups[kind].append(o)
+    lost = [o for o in outcomes if o.error is not None]
+    return {
+        "requests": len(outcomes),
+        "lost": len(lost),
+        "errors_by_kind": dict(Counter(o.error for o in lost)),
+        "kills": len(seen["kills"]),
+        "migrations_logged": len(migrated),
+        "retries_logged": len(retried),
+        "ttft": {k: percentiles([o.ttft for o in v]) for k, v in groups.items()},
+        "longest_pause": {k: percentiles([o.max_gap for o in v]) for k, v in groups.items()},
+        "rss": rss_summary(seen["samples"]),
+    }
+
+
+def raise_open_files_limit() -> int:
+    """Let this process and serve (which inherits it) hold a socket per stream."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = 65536 if hard == resource.RLIM_INFINITY else hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    return limit
+
+
+def start_serve(args: argparse.Namespace, model_dir: Path, log_path: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "shoal", "serve", "--model", str(model_dir)]
+    argv += ["--engine", "mocker", "--served-model-name", MODEL, "--speedup", str(args.speedup)]
+    argv += ["--workers", str(args.workers), "--port", str(args.port), "--restart-workers"]
+    argv += ["--no-access-log", "--log-level", "warning", *args.serve_args.split()]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, workers: int, timeout: float) -> None:
+    """Until serve answers a completion and runs all its workers."""
+    deadline = time.monotonic() + timeout
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"shoal serve exited with {proc.returncode} during start-up")
+        try:
+            ok = httpx.post(f"{url}/v1/completions", json=body, timeout=5).status_code == 200
+            if ok and len(worker_pids(proc.pid)) == workers:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"shoal serve not ready after {timeout:.0f}s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--streams", type=int, default=1000, help="concurrent client streams")
+    p.add_argument("--minutes", type=float, default=10.0, help="how long requests are started")
+    p.add_argument("--kill-every", type=float, default=60.0, help="seconds between worker kills")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--min-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--speedup", type=float, default=1.0, help="the mocker's --speedup")
+    p.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS samples")
+    p.add_argument("--read-timeout", type=float, default=300.0, help="client's per-read limit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=8012)
+    p.add_argument("--serve-args", default="", help="extra `shoal serve` flags, one string")
+    p.add_argument("--note", default="", help="recorded with the results (machine, purpose)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSONL file to append to")
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    open_files = raise_open_files_limit()
+    work = Path(tempfile.mkdtemp(prefix="shoal-soak-"))
+    model_dir = make_model_dir("tiny", work / "model")
+    log_path = work / "serve.log"
+    url = f"http://127.0.0.1:{args.port}"
+    proc = start_serve(args, model_dir, log_path)
+    try:
+        wait_ready(url, proc, args.workers, 300)
+        print(f"soak: {args.streams} streams, {args.minutes} min, kill every {args.kill_every}s")
+        seen = asyncio.run(drive(args, proc.pid, url))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    summary = summarize(seen, log_path.read_text(errors="replace"))
+    record = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **provenance(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "note": args.note,
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"
+        },
+        "open_files_limit": open_files,
+        **summary,
+        "kill_times": seen["kills"],
+        "rss_samples": seen["samples"],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k not in ("rss_samples",)}, indent=1))
+    print(f"serve's log: {log_path}")
+
+
+if __name__ == "__main__":
+    main()
