@@ -13,6 +13,7 @@ halves use the same engine settings. Appends the figures to benchmarks/results/s
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -24,6 +25,7 @@ import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
@@ -71,7 +73,12 @@ def lengths(seed: int, num: int, low: int, high: int) -> tuple[np.ndarray, np.nd
 
 
 def engine_half(args: argparse.Namespace) -> dict:
-    """Run the workload offline through LLMEngine; output tok/s and wall time."""
+    """Run the workload through LLMEngine offline (all requests at once), then through the
+    same engine in-process as `shoal bench` drives a server (closed loop: `concurrency`
+    requests in flight, the next sent when one ends); output tok/s and wall times.
+
+    The closed loop separates what the serving path costs from what the load shape costs:
+    a closed-loop client never keeps the batch as full as an offline queue does."""
     from shoal.engine.config import EngineConfig
     from shoal.engine.llm_engine import LLMEngine
     from shoal.protocol import EngineRequest, SamplingParams
@@ -87,15 +94,46 @@ def engine_half(args: argparse.Namespace) -> dict:
     ins, outs = lengths(args.seed, args.num_requests, args.min_len, args.max_len)
     rng = np.random.default_rng(args.seed + 1)
     vocab = SHAPES[args.shape]["vocab_size"]
-    for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True)):
-        sp = SamplingParams(temperature=0.0, max_tokens=int(n_out), ignore_eos=True)
-        prompt = rng.integers(3, vocab, int(n_in)).tolist()
-        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling=sp))
+    requests = [
+        EngineRequest(
+            request_id=str(i),
+            prompt_token_ids=rng.integers(3, vocab, int(n_in)).tolist(),
+            sampling=SamplingParams(temperature=0.0, max_tokens=int(n_out), ignore_eos=True),
+        )
+        for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True))
+    ]
+    for request in requests:
+        engine.add_request(request)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "output_tok_s": float(outs.sum()) / wall}
+    closed = asyncio.run(closed_loop(engine, requests, args.concurrency))
+    return {
+        "wall_s": wall,
+        "output_tok_s": float(outs.sum()) / wall,
+        "closed_loop_wall_s": closed,
+        "closed_loop_output_tok_s": float(outs.sum()) / closed,
+    }
+
+
+async def closed_loop(engine, requests: list, concurrency: int) -> float:
+    """Wall time of `requests` through AsyncLLM with `concurrency` in flight at all times."""
+    from shoal.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM(engine)
+    pending = iter([msgspec.structs.replace(r, request_id=f"c{r.request_id}") for r in requests])
+
+    async def client() -> None:
+        for request in pending:
+            async for _ in llm.generate(request):
+                pass
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    llm.shutdown()
+    return wall
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -190,6 +228,7 @@ def main() -> None:
     if args.half in ("engine", "both"):
         cmd = [sys.executable, __file__, "--half", "engine", "--model-dir", str(args.model_dir)]
         cmd += ["--shape", args.shape, "--num-requests", str(args.num_requests)]
+        cmd += ["--concurrency", str(args.concurrency)]
         cmd += ["--min-len", str(args.min_len), "--max-len", str(args.max_len)]
         cmd += ["--seed", str(args.seed)]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -207,9 +246,9 @@ def main() -> None:
             "tpot_p50_ms": lat["tpot"]["p50"],
         }
     if "engine" in record and "serve" in record:
-        record["serve_over_engine"] = (
-            record["serve"]["output_tok_s"] / record["engine"]["output_tok_s"]
-        )
+        serve, engine = record["serve"]["output_tok_s"], record["engine"]
+        record["serve_over_engine"] = serve / engine["output_tok_s"]
+        record["serve_over_closed_loop"] = serve / engine["closed_loop_output_tok_s"]
     RESULTS.parent.mkdir(exist_ok=True)
     with RESULTS.open("a") as f:
         f.write(json.dumps(record) + "\n")
@@ -236,7 +275,12 @@ def _table(record: dict) -> str:
         f"{record['device']}, commit {record['commit']}"
     ]
     if "engine" in record:
-        lines.append(f"engine offline   {record['engine']['output_tok_s']:>10,.0f} out tok/s")
+        engine = record["engine"]
+        lines.append(f"engine offline   {engine['output_tok_s']:>10,.0f} out tok/s")
+        lines.append(
+            f"engine closed    {engine['closed_loop_output_tok_s']:>10,.0f} out tok/s "
+            f"(in-process, {w['concurrency']} in flight)"
+        )
     if "serve" in record:
         s = record["serve"]
         lines.append(
@@ -245,6 +289,7 @@ def _table(record: dict) -> str:
         )
     if "serve_over_engine" in record:
         lines.append(f"serve / engine   {record['serve_over_engine']:>10.3f}")
+        lines.append(f"serve / closed   {record['serve_over_closed_loop']:>10.3f}")
     return "\n".join(lines)
 
 
