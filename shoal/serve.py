@@ -18,10 +18,11 @@ from typing import IO
 from shoal.engine.cli import add_engine_args, engine_argv
 from shoal.flags import Flag, FlagGroup, FlagParser, flag_argv
 from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontends
+from shoal.frontend.disagg_client import DISAGG
 from shoal.mocker.cli import MOCKER
 from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, PLANE_SECRET, RUNTIME, setup_logging
-from shoal.worker.cli import ENGINE_CHOICE, MODEL_NAME, add_engine_choice_args
+from shoal.worker.cli import ENGINE_CHOICE, KV_TRANSFER, MODEL_NAME, add_engine_choice_args
 
 log = logging.getLogger("shoal.serve")
 
@@ -35,6 +36,19 @@ SERVE = FlagGroup(
     "serve",
     (
         Flag("workers", "engine worker processes", int, 1),
+        Flag(
+            "prefill-workers",
+            "prefill worker processes (`--role prefill`); with any, the --decode-workers "
+            "run as `--role decode` (disaggregated serving, docs/disagg.md)",
+            int,
+            0,
+        ),
+        Flag(
+            "decode-workers",
+            "decode worker processes when --prefill-workers is set",
+            int,
+            shown_default="--workers",
+        ),
         Flag(
             "restart-workers",
             "start a new worker in place of one that exits while serving (after a pause "
@@ -61,6 +75,8 @@ def configure(parser: FlagParser) -> None:
     parser.add_group(MODEL_NAME)
     add_frontend_args(parser)
     parser.add_group(SERVE)
+    parser.add_group(KV_TRANSFER)
+    parser.add_group(DISAGG)
     parser.add_group(RUNTIME)
     parser.add_group(LOGGING)
     parser.set_defaults(func=run_serve)
@@ -69,11 +85,23 @@ def configure(parser: FlagParser) -> None:
 def worker_argv(args: argparse.Namespace, discovery: str) -> list[str]:
     """The `shoal worker` command line carrying this command's engine options."""
     argv = [sys.executable, "-m", "shoal", "worker", *engine_argv(args)]
-    argv += flag_argv(args, ENGINE_CHOICE) + flag_argv(args, MOCKER)
+    argv += flag_argv(args, ENGINE_CHOICE) + flag_argv(args, MOCKER) + flag_argv(args, KV_TRANSFER)
     argv += ["--discovery", discovery, "--served-model-name", args.served_model_name or args.model]
     if args.dead_after is not None:
         argv += ["--dead-after", str(args.dead_after)]
     return [*argv, "--log-level", args.log_level]
+
+
+def worker_argvs(args: argparse.Namespace, discovery: str) -> list[list[str]]:
+    """One command line per worker: --workers aggregated ones, or with --prefill-workers
+    that many prefill workers and --decode-workers (default --workers) decode workers."""
+    argv = worker_argv(args, discovery)
+    if not args.prefill_workers:
+        return [argv] * args.workers
+    decode = args.decode_workers or args.workers
+    return [[*argv, "--role", "prefill"]] * args.prefill_workers + [
+        [*argv, "--role", "decode"]
+    ] * decode
 
 
 def worker_env(args: argparse.Namespace) -> dict[str, str]:
@@ -127,9 +155,10 @@ class WorkerPool:
     """serve's worker processes: started together, watched, replaced (or reported) when
     they exit; `error` says why serving cannot go on."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], count: int, restart: bool) -> None:
+    def __init__(self, argvs: list[list[str]], env: dict[str, str], restart: bool) -> None:
+        """argvs: one command line per worker."""
         self.restart = restart
-        self.slots = [_Slot(argv, env) for _ in range(count)]
+        self.slots = [_Slot(argv, env) for argv in argvs]
         self.error: str | None = None
 
     async def watch(self, discovery: str, failed: asyncio.Event) -> None:
@@ -215,19 +244,22 @@ async def _serve(args: argparse.Namespace, discovery: str, pool: WorkerPool) -> 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM; exit 1 with one line when no worker can start."""
     setup_logging(args)
-    if args.workers < 1:
-        print(
-            f"shoal serve: error: --workers must be at least 1 (got {args.workers})",
-            file=sys.stderr,
-        )
+    for name in ("workers", "decode_workers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = name.replace("_", "-")
+            print(f"shoal serve: error: --{flag} must be at least 1 (got {value})", file=sys.stderr)
+            return 2
+    if args.prefill_workers < 0:
+        print("shoal serve: error: --prefill-workers must not be negative", file=sys.stderr)
         return 2
     folder = None if args.discovery else tempfile.mkdtemp(prefix="shoal-discovery-")
     discovery = args.discovery or f"file://{folder}"
-    argv, env = worker_argv(args, discovery), worker_env(args)
-    pool = WorkerPool(argv, env, args.workers, args.restart_workers)
+    argvs, env = worker_argvs(args, discovery), worker_env(args)
+    pool = WorkerPool(argvs, env, args.restart_workers)
     log.info(
         "started %d worker(s) for %s; frontend on http://%s:%d",
-        args.workers,
+        len(argvs),
         args.model,
         args.host,
         args.port,

@@ -11,6 +11,7 @@ the request is not lost and its output does not change.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -34,6 +35,7 @@ from shoal.protocol import (
     ModelCard,
 )
 from shoal.router import make_router
+from shoal.router.cli import router_options
 from shoal.router.kv_router import AllWorkersBusy, KvRouter
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
@@ -226,6 +228,28 @@ class DisaggClient:
             async with stream:
                 async for _ in stream:
                     pass
+
+
+async def disaggregated(
+    workers: WorkerClient,
+    runtime: DistributedRuntime,
+    args: argparse.Namespace,
+    registry: CollectorRegistry | None = None,
+) -> DisaggClient:
+    """A started DisaggClient over a started WorkerClient, configured by the frontend's
+    flags (its routing flags route the prefill pool too)."""
+    options = router_options(args)
+    options.pop("busy_wait")
+    mode = options.pop("mode")
+    client = DisaggClient(
+        workers,
+        runtime,
+        mode,
+        max_local_prefill_length=args.max_local_prefill_length,
+        registry=registry,
+        **options,
+    )
+    return await client.start()
 
 
 def _prefill_request(request: EngineRequest) -> EngineRequest:

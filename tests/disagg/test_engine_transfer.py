@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHITECTURES
 
 from shoal.disagg.blocks import BlockAssembler, to_chunk
 from shoal.engine.config import EngineConfig
@@ -72,8 +73,7 @@ def engines(model_dirs):
     return make(), make(), make()
 
 
-@pytest.mark.parametrize("length", [5, 16, 83])
-@pytest.mark.parametrize("seed", [None, 7])
+@pytest.mark.parametrize(("length", "seed"), [(5, None), (16, None), (83, None), (83, 7)])
 def test_disaggregated_output_matches_one_engine(engines, length, seed):
     prefill_engine, decode_engine, reference = engines
     prompt = [(i * 37 + length) % 370 + 3 for i in range(length)]
@@ -139,3 +139,19 @@ def test_abort_frees_pinned_and_staged(engines):
     decode_engine.stage_kv("ab", 0, torch.empty(0))
     decode_engine.abort("ab")
     assert "ab" not in decode_engine._staged
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_every_architecture(model_dirs, arch):
+    make = lambda: LLMEngine(EngineConfig(model=str(model_dirs[arch]), device="cpu"))  # noqa: E731
+    prefill_engine, decode_engine = make(), make()
+    for seed in (None, 11):
+        prompt = [(i * 17 + 1) % 370 + 3 for i in range(50)]
+        sp = SamplingParams(temperature=0.0 if seed is None else 0.7, seed=seed, max_tokens=8)
+        sp = SamplingParams(**{**_fields(sp), "ignore_eos": True})
+        ref = EngineRequest(request_id=f"ref{seed}", prompt_token_ids=prompt, sampling=sp)
+        want = tokens(run(prefill_engine, ref))
+        first, params = prefill(prefill_engine, f"p{seed}", prompt, sp)
+        data = transfer(prefill_engine, params, 0, per_chunk=1)
+        prefill_engine.release_kv(params.request_id)
+        assert decode(decode_engine, f"d{seed}", prompt, first, sp, params, 0, data) == want
