@@ -51,7 +51,7 @@ class DisaggMetrics:
         )
         self.released = Counter(
             "shoal_kv_pinned_releases",
-            "pinned prefills released, by reason (pulled, timeout)",
+            "pinned prefills released, by reason (pulled, released by the frontend, timeout)",
             [*names, "reason"],
             registry=reg,
         )
