@@ -19,6 +19,103 @@ KV_EVENTS_TOPIC = "kv"
 LOAD_TOPIC = "load"
 
 
+# JSON-schema keywords xgrammar would accept but not enforce: a schema using one is refused
+# rather than constrained more loosely than it asks.
+UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
+    {
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "propertyNames",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "if",
+        "then",
+        "else",
+    }
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalProperties", "not", "additionalItems")
+
+
+def unsupported_schema_keyword(schema: object, path: str = "$") -> str | None:
+    """'keyword at path' for the first keyword of UNSUPPORTED_SCHEMA_KEYWORDS in the schema, or
+    None; keywords are looked for where JSON Schema reads them, not in property names."""
+    if not isinstance(schema, dict):
+        return None
+    for key in schema:
+        if key in UNSUPPORTED_SCHEMA_KEYWORDS:
+            return f"{key!r} at {path}"
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        return f"'pattern' with 'minLength'/'maxLength' at {path}"
+    children: list[tuple[object, str]] = []
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            children += [(v, f"{path}.{key}.{k}") for k, v in schema[key].items()]
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            children += [(v, f"{path}.{key}[{i}]") for i, v in enumerate(schema[key])]
+    children += [(schema[key], f"{path}.{key}") for key in _SCHEMA_ONES if key in schema]
+    for child, where in children:
+        found = unsupported_schema_keyword(child, where)
+        if found is not None:
+            return found
+    return None
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on the output (vLLM's StructuredOutputsParams): exactly one of json (a JSON
+    schema, as a dict or its JSON text), regex, choice, grammar (EBNF, or Lark syntax) or
+    json_object (any JSON object)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            found = ", ".join(kinds) or "none"
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object (found: {found})"
+            )
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
+        if self.json is not None:
+            self._check_schema()
+
+    def schema(self) -> dict | bool:
+        """The JSON schema of `json`, decoded if it came as text."""
+        return msgspec.json.decode(self.json) if isinstance(self.json, str) else self.json
+
+    def _check_schema(self) -> None:
+        try:
+            schema = self.schema()
+        except msgspec.DecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        found = unsupported_schema_keyword(schema)
+        if found is not None:
+            raise ValueError(
+                f"structured_outputs.json uses the JSON-schema keyword {found}, "
+                "which shoal's grammar backend cannot enforce"
+            )
+
+    def kinds(self) -> list[str]:
+        """The constraint fields that are set."""
+        fields = ("json", "regex", "choice", "grammar")
+        found = [f for f in fields if getattr(self, f) is not None]
+        return found + (["json_object"] if self.json_object else [])
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request; field names and meanings follow vLLM's SamplingParams."""
 
@@ -40,6 +137,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

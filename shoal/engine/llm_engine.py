@@ -6,6 +6,7 @@ import gc
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ class _Step:
     sched: SchedulerOutput
     starts: list[int]  # each sequence's num_computed_tokens before the step
     handle: StepHandle | None = None
-    needs_history: bool = False  # a sequence it samples uses penalties
+    needs_history: bool = False  # a sequence it samples uses penalties or a grammar
 
 
 def engine_device(device: str | None) -> torch.device:
@@ -106,6 +107,7 @@ class LLMEngine:
         self.device = device
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._grammars = None  # GrammarCompilerPool, built for the first structured request
 
     def _init_core(self, num_blocks: int) -> None:
         """The KV block pool of num_blocks blocks, the scheduler over it, the request map."""
@@ -121,6 +123,8 @@ class LLMEngine:
             self.kv,
         )
         self.requests: dict[str, list[Request]] = {}  # request id -> its sequences
+        # structured-output requests whose grammar compiles in the pool, not yet queued
+        self._compiling: list[tuple[Future, list[Request]]] = []
         # disaggregation: prefills to pin for a decode worker, the pinned requests' transfer
         # parameters, KV staged for a request about to arrive, and those waiting to start
         self._remote_decode: set[str] = set()
@@ -263,6 +267,10 @@ class LLMEngine:
         staged = self._staged.pop(rid, None)
         if request.kv_transfer is not None and request.kv_transfer.do_remote_decode and sp.n == 1:
             self._remote_decode.add(rid)
+        if sp.structured_outputs is not None:
+            # queued once its grammar is compiled, off this thread (staged KV goes unused)
+            self._compiling.append((self._grammar_pool().submit(sp.structured_outputs), seqs))
+            return
         if staged is not None and sp.n == 1:
             self._injecting.append((seqs[0], *staged))
             return
@@ -303,6 +311,11 @@ class LLMEngine:
             return
         stopped = seqs if index is None else [seqs[index]]
         self._remote_decode.discard(request_id)
+        if any(waiting is seqs for _, waiting in self._compiling):
+            for seq in stopped:
+                seq.status = RequestStatus.FINISHED  # not queued yet: it holds nothing
+            if all(s.is_finished for s in seqs):
+                self._compiling = [c for c in self._compiling if c[1] is not seqs]
         for seq in stopped:
             seq.finish_reason = seq.finish_reason or "abort"
             for i, item in enumerate(self._injecting):
@@ -335,6 +348,8 @@ class LLMEngine:
             outputs, self._in_flight = self._complete(self._in_flight), None
         if self._injecting:
             self._admit_injected()
+        if self._compiling:
+            outputs += self._admit_compiled()
         sched = self.scheduler.schedule()
         launched = self._launch(sched) if sched.requests else None
         if self._in_flight is not None:
@@ -353,8 +368,55 @@ class LLMEngine:
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
                 req.num_placeholders += 1  # sampled by this step
-                step.needs_history = step.needs_history or req.needs_token_history
+                step.needs_history = step.needs_history or req.needs_sync
         return step
+
+    def _grammar_pool(self):
+        """The structured-output compiler pool over the model's vocabulary (built once)."""
+        if self._grammars is None:
+            from shoal.engine.structured import GrammarCompilerPool, tokenizer_info_from_dir
+
+            info = tokenizer_info_from_dir(
+                self.model_dir, self.model_config.vocab_size, sorted(self.eos_token_ids)
+            )
+            self._grammars = GrammarCompilerPool(info)
+        return self._grammars
+
+    def _admit_compiled(self) -> list[EngineOutput]:
+        """Queue the requests whose grammar is compiled, each sequence with its own matcher;
+        end those whose grammar failed with its error. With nothing else to run, wait a little
+        for a compile rather than spin."""
+        from shoal.engine.structured import RequestGrammar
+
+        if not (self.scheduler.num_unfinished or self._in_flight or self._injecting):
+            wait([f for f, _ in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        outputs: list[EngineOutput] = []
+        pending = []
+        for future, seqs in self._compiling:
+            if not future.done():
+                pending.append((future, seqs))
+                continue
+            error = future.exception()
+            rid = seqs[0].output_id
+            if error is not None:
+                del self.requests[rid]
+                message = str(error) if isinstance(error, ValueError) else repr(error)
+                outputs += [
+                    EngineOutput(
+                        request_id=rid, index=s.index, finish_reason="error", error=message
+                    )
+                    for s in seqs
+                ]
+                continue
+            for seq in seqs:
+                if seq.is_finished:
+                    continue
+                seq.grammar = RequestGrammar(future.result(), seq.stop_token_ids)
+                before = seq.num_output_tokens_before
+                seq.grammar.accept_all(seq.prompt_token_ids[seq.num_prompt_tokens - before :])
+                self.scheduler.add(seq)
+        self._compiling = pending
+        return outputs
 
     def _complete(self, step: _Step) -> list[EngineOutput]:
         """Wait for a launched batch's tokens and apply them: stops, cache, outputs."""

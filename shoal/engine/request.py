@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.kv_hash import hash_blocks
 from shoal.protocol import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from shoal.engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -52,9 +56,12 @@ class Request:
         self.extra_key = extra_key
         self.lora_id = lora_id
         self.leader = leader  # a sibling whose prompt blocks this one waits to share
-        # greedy without penalties, min_tokens or logprobs: the argmax of the logits alone
+        # the output's grammar matcher (structured outputs); set before it is scheduled
+        self.grammar: RequestGrammar | None = None
+        # greedy without penalties, min_tokens, logprobs or a grammar: the logits' argmax alone
         self.argmax_only = (
-            sampling.greedy
+            sampling.structured_outputs is None
+            and sampling.greedy
             and sampling.logprobs is None
             and sampling.min_tokens == 0
             and sampling.repetition_penalty == 1.0
@@ -97,6 +104,12 @@ class Request:
         return s.repetition_penalty != 1.0 or bool(s.presence_penalty or s.frequency_penalty)
 
     @property
+    def needs_sync(self) -> bool:
+        """Whether its next step needs this step's token on the host first (penalties read
+        the tokens; a grammar's mask for the next token depends on this one)."""
+        return self.grammar is not None or self.needs_token_history
+
+    @property
     def output_token_ids(self) -> list[int]:
         """Every output token, those generated before a migration included (penalties)."""
         return self.all_token_ids[self.num_prompt_tokens - self.num_output_tokens_before :]
@@ -121,6 +134,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def ends_with_placeholder(self, max_model_len: int) -> bool:
         """Whether the token being sampled on the device is certain to be the last one
@@ -141,6 +156,9 @@ class Request:
             self.stop_reason = None if last in self._eos_only() else last
         elif n_out >= self.max_tokens or len(tokens) >= max_model_len:
             self.finish_reason = "length"
+        elif self.grammar is not None and self.grammar.done:
+            # complete without a stop token (none to take), or off the grammar
+            self.finish_reason = "abort" if self.grammar.failed else "stop"
         return self.finish_reason is not None
 
     def _eos_only(self) -> frozenset[int]:

@@ -1,9 +1,10 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeds and logprobs.
+"""Batched sampling: penalties, grammars, temperature, top-k / top-p / min-p, seeds, logprobs.
 
 Logprobs are those of the model's raw distribution (before penalties and temperature),
 as vLLM reports by default. Sampling draws token = argmax(p / q) with q ~ Exp(1), which is
 an exact draw from p; a seeded request draws its q from its own generator, so its tokens
-do not depend on what else is in the batch.
+do not depend on what else is in the batch. A row with a grammar (structured outputs) has
+every token its grammar forbids masked to -inf before anything is drawn.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class SampledTokens:
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
+        self._grammar_mask = None  # a GrammarMask, built at the first constrained row
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
         """Sample one token per row of logits [B, vocab]; row i belongs to requests[i].
@@ -72,6 +74,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[rows], dim=-1) if rows else None
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_early_stops(logits, requests)
+        self._mask_grammars(logits, requests)
         tokens = self._sample(logits, requests)
         draw = SampledTokens(tokens, rows, [requests[i].sampling.logprobs for i in rows])
         if raw_logprobs is not None:
@@ -107,6 +110,17 @@ class Sampler:
                 stops = to_device(list(r.stop_token_ids), torch.int64, logits.device)
                 logits[i].index_fill_(0, stops, float("-inf"))
         return logits
+
+    def _mask_grammars(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Forbid, in each constrained row, the tokens its grammar does not allow next."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return
+        if self._grammar_mask is None:
+            from shoal.engine.structured import GrammarMask
+
+            self._grammar_mask = GrammarMask()
+        self._grammar_mask.apply(logits, rows, [requests[i].grammar for i in rows])
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
