@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import jinja2
+import msgspec
 
 from shoal.frontend.errors import bad_request
 from shoal.frontend.protocol_openai import (
@@ -17,7 +18,7 @@ from shoal.frontend.protocol_openai import (
     SamplingFields,
 )
 from shoal.frontend.tokenizer_pool import ModelTokenizer
-from shoal.protocol import SamplingParams
+from shoal.protocol import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -206,12 +207,71 @@ def check_completion(body: CompletionRequest, tok: ModelTokenizer, max_prompts: 
         raise bad_request("best_of other than n is not supported", param="best_of")
 
 
+# vLLM's structured_outputs keys shoal serves, and the pre-0.12 fields that became them
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+    "guided_decoding_backend": None,
+}
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint from response_format or structured_outputs; a 400
+    naming the field for anything shoal cannot enforce."""
+    for name, key in GUIDED_FIELDS.items():
+        if getattr(body, name) is not None:
+            instead = f'use structured_outputs: {{"{key}": ...}}' if key else "remove it"
+            raise bad_request(f"{name} was removed (as in vLLM 0.12); {instead}", param=name)
+    fmt = body.response_format
+    wanted = fmt is not None and fmt.type != "text"
+    if wanted and body.structured_outputs is not None:
+        raise bad_request(
+            "response_format and structured_outputs cannot both constrain the output",
+            param="structured_outputs",
+        )
+    if wanted:
+        return _response_format(fmt)
+    if body.structured_outputs is None:
+        return None
+    unknown = sorted(set(body.structured_outputs) - set(STRUCTURED_KEYS))
+    if unknown:
+        raise bad_request(
+            f"structured_outputs.{unknown[0]} is not supported; shoal serves "
+            + ", ".join(STRUCTURED_KEYS),
+            param=f"structured_outputs.{unknown[0]}",
+        )
+    return _convert(body.structured_outputs, "structured_outputs")
+
+
+def _response_format(fmt) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise bad_request(
+            "response_format of type json_schema needs json_schema.schema",
+            param="response_format.json_schema",
+        )
+    return _convert({"json": fmt.json_schema.json_schema}, "response_format.json_schema")
+
+
+def _convert(fields: dict, param: str) -> StructuredOutputsParams:
+    try:
+        return msgspec.convert(fields, StructuredOutputsParams)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise bad_request(str(e).split(" - at `", 1)[0], param=param) from e
+
+
 def sampling_params(
     body: SamplingFields,
     *,
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; a value the engine cannot honour is a 400 naming it."""
     try:
@@ -234,6 +294,7 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=constraint,
         )
     except ValueError as e:
         message = str(e)

@@ -8,7 +8,7 @@ fields are ignored, as vLLM does.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -50,6 +50,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: the schema the output must follow, and its name."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and completions: OpenAI's, then vLLM's extensions."""
 
@@ -76,6 +94,22 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs object, and the
+    # names vLLM removed in 0.12 (refused with their replacement named, never ignored)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured_unicode(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        _check_unicode(value)
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod

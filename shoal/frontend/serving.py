@@ -92,7 +92,10 @@ class OpenAIServing:
         )
         num_top = body.top_logprobs or 0
         params = preprocess.sampling_params(
-            body, max_tokens=max_tokens, logprobs=num_top if body.logprobs else None
+            body,
+            max_tokens=max_tokens,
+            logprobs=num_top if body.logprobs else None,
+            constraint=preprocess.structured_outputs(body),
         )
         run = RequestRun(
             self.client,
@@ -126,6 +129,7 @@ class OpenAIServing:
             max_tokens=max_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo else None,
+            constraint=preprocess.structured_outputs(body),
         )
         echo = preprocess.echo_texts(tok, body, prompts) if body.echo else None
         run = RequestRun(
