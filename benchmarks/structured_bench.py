@@ -1,0 +1,137 @@
+"""Grammar-mask overhead: decode throughput of JSON-schema-constrained batches against the same
+batches unconstrained (issue 17's measure: batch 1, 64 and 256 on a Qwen3-0.6B shape).
+
+The engine's model folder is generated (random weights, no tokenizer), so the grammar runs over
+a synthetic vocabulary of the model's size: the 256 single bytes, then pieces of 1-8 characters
+drawn from JSON's alphabet and words. Each constrained request follows SCHEMA, whose unbounded
+array keeps a random model inside the grammar until max_tokens. One JSON line per batch size.
+
+    python benchmarks/structured_bench.py --shape qwen3-0.6b --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_bench import SHAPES, device_name, make_engine, prompt
+from provenance import provenance
+
+from shoal.engine.llm_engine import LLMEngine
+from shoal.protocol import EngineRequest, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}},
+    },
+    "required": ["name", "values"],
+}
+ALPHABET = [*'abcdefghijklmnopqrstuvwxyz0123456789{}[]":, ', "name", "values", "true"]
+
+
+def synthetic_vocab(size: int, seed: int = 0) -> list[bytes]:
+    """The 256 single bytes, then random pieces of JSON-ish text (duplicates allowed)."""
+    rng = np.random.default_rng(seed)
+    vocab = [bytes([b]) for b in range(256)]
+    while len(vocab) < size:
+        pieces = rng.choice(ALPHABET, rng.integers(1, 5))
+        vocab.append("".join(pieces).encode())
+    return vocab
+
+
+def use_synthetic_grammars(engine: LLMEngine) -> None:
+    import xgrammar as xgr
+
+    from shoal.engine.structured import GrammarCompilerPool
+
+    vocab = synthetic_vocab(engine.model_config.vocab_size)
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, stop_token_ids=[0])
+    engine._grammars = GrammarCompilerPool(info)
+
+
+def decode_rate(engine: LLMEngine, batch: int, constrained: bool, args) -> dict:
+    """Output tokens per second and mean step time of `batch` requests run together."""
+    rng = np.random.default_rng(batch)
+    vocab = engine.model_config.vocab_size
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if constrained else None
+    for i in range(batch):
+        sp = SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=args.max_tokens,
+            ignore_eos=not constrained,
+            structured_outputs=so,
+        )
+        rid = f"{'c' if constrained else 'u'}{batch}-{i}"
+        request = EngineRequest(
+            request_id=rid, prompt_token_ids=prompt(rng, args.prompt_len, vocab), sampling=sp
+        )
+        engine.add_request(request)
+    while (
+        engine.scheduler.num_unfinished < batch
+        or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
+        engine.step()  # compile and prefill: not timed
+    tokens, steps = 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    elapsed = time.perf_counter() - start
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "step_ms": 1000 * elapsed / max(steps, 1),
+        "tokens": tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--out", default=None, help="append the JSON lines to this file")
+    args = parser.parse_args()
+    engine = make_engine(args.shape, args)
+    use_synthetic_grammars(engine)
+    for batch in (int(b) for b in args.batches.split(",")):
+        decode_rate(engine, min(batch, 8), True, args)  # warm-up (kernels, compile cache)
+        free = decode_rate(engine, batch, False, args)
+        masked = decode_rate(engine, batch, True, args)
+        record = {
+            "bench": "structured_mask",
+            "shape": args.shape,
+            "device": device_name(engine),
+            "batch": batch,
+            "unconstrained": free,
+            "json_schema": masked,
+            "throughput_ratio": masked["tokens_per_s"] / free["tokens_per_s"],
+            "async_scheduling": engine.async_scheduling,
+            **provenance(),
+        }
+        line = json.dumps(record)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
