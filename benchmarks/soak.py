@@ -56,12 +56,23 @@ class Outcome:
     """One request as its client saw it (times in seconds)."""
 
     request_id: str | None
+    started: float  # monotonic
     ttft: float | None
-    max_gap: float
+    max_gap: float  # the longest pause between two chunks after the first
     error: str | None
 
 
-async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Outcome:
+@dataclass
+class InFlight:
+    """Requests of the clients waiting for their first chunk, and streaming after it."""
+
+    waiting: int = 0
+    streaming: int = 0
+
+
+async def one_request(
+    http: httpx.AsyncClient, prompt: str, max_tokens: int, live: InFlight
+) -> Outcome:
     """Stream one completion to its end; what went wrong, if anything."""
     body = {
         "model": MODEL,
@@ -75,42 +86,57 @@ async def one_request(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> 
     request_id, first, last, gap = None, None, start, 0.0
     error, finish, tokens = None, None, None
     decode = msgspec.json.decode
+    live.waiting += 1
     try:
         async with http.stream("POST", "/v1/completions", json=body) as reply:
             if reply.status_code != 200:
                 await reply.aread()
-                return Outcome(None, None, 0.0, f"http_{reply.status_code}")
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = decode(line[6:])
-                if "error" in event:
-                    error = f"sse_{event['error'].get('code') or event['error'].get('type')}"
-                    continue
-                request_id = event.get("id", request_id)
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-                if not event.get("choices"):
-                    continue
-                now = time.monotonic()
-                first = now if first is None else first
-                gap, last = max(gap, now - last), now
-                finish = event["choices"][0].get("finish_reason") or finish
+                error = f"http_{reply.status_code}"
+            else:
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = decode(line[6:])
+                    request_id = event.get("id", request_id)
+                    if "error" in event:
+                        error = f"sse_{event['error'].get('code') or event['error'].get('type')}"
+                        continue
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                    if not event.get("choices"):
+                        continue
+                    now = time.monotonic()
+                    if first is None:
+                        first = now
+                        live.waiting, live.streaming = live.waiting - 1, live.streaming + 1
+                    gap, last = max(gap, now - last) if last > start else gap, now
+                    finish = event["choices"][0].get("finish_reason") or finish
     except httpx.HTTPError as e:
         error = f"client_{type(e).__name__}"
+    finally:
+        if first is None:
+            live.waiting -= 1
+        else:
+            live.streaming -= 1
     if error is None and (finish != "length" or tokens != max_tokens):
         error = "short_stream"
     ttft = None if first is None else first - start
-    return Outcome(request_id, ttft, gap if first is not None else 0.0, error)
+    return Outcome(request_id, start, ttft, gap, error)
 
 
 async def client(
-    http: httpx.AsyncClient, rng: random.Random, args: argparse.Namespace, until: float, into: list
+    http: httpx.AsyncClient,
+    rng: random.Random,
+    args: argparse.Namespace,
+    until: float,
+    live: InFlight,
+    into: list,
 ) -> None:
     """Requests one after another until `until`."""
     while time.monotonic() < until:
         words = " ".join(word(rng.randrange(3, 384)) for _ in range(rng.randint(20, 200)))
-        into.append(await one_request(http, words, rng.randint(args.min_tokens, args.max_tokens)))
+        max_tokens = rng.randint(args.min_tokens, args.max_tokens)
+        into.append(await one_request(http, words, max_tokens, live))
 
 
 def rss_mb(pid: int) -> float | None:
@@ -129,67 +155,98 @@ def worker_pids(serve_pid: int) -> list[int]:
     return sorted(int(p) for p in out.stdout.split())
 
 
-async def killer(
-    serve_pid: int, every: float, start: float, until: float, rng: random.Random, kills: list
-) -> None:
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, from /proc; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Run:
+    """What one soak run saw, filled in as it goes."""
+
+    serve_pid: int
+    start: float
+    live: InFlight
+    outcomes: list[Outcome]
+    kills: list[dict]
+    samples: list[dict]
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.start, 1)
+
+
+async def killer(run: Run, every: float, until: float, rng: random.Random) -> None:
     """SIGKILL one worker every `every` seconds until `until`."""
     while time.monotonic() + every < until:
         await asyncio.sleep(every)
-        pids = worker_pids(serve_pid)
+        pids = worker_pids(run.serve_pid)
         if pids:
             victim = rng.choice(pids)
             os.kill(victim, signal.SIGKILL)
-            kills.append({"t_s": round(time.monotonic() - start, 1), "pid": victim})
-            print(f"  {kills[-1]['t_s']:7.1f}s  killed worker {victim}", flush=True)
+            kill = {"t_s": run.now(), "pid": victim, "waiting": run.live.waiting}
+            kill["streaming"] = run.live.streaming
+            run.kills.append(kill)
+            print(f"  {kill['t_s']:7.1f}s  killed worker {victim}: {kill}", flush=True)
 
 
-async def sampler(
-    serve_pid: int, every: float, start: float, outcomes: list, samples: list
-) -> None:
-    """RSS of the frontend and each worker every `every` seconds."""
+async def sampler(run: Run, every: float) -> None:
+    """RSS of the frontend and each worker, and CPU use, every `every` seconds."""
+    then, frontend_then, client_then = time.monotonic(), cpu_s(run.serve_pid), time.process_time()
     while True:
-        workers = {pid: rss_mb(pid) for pid in worker_pids(serve_pid)}
+        workers = {pid: rss_mb(pid) for pid in worker_pids(run.serve_pid)}
         workers = {pid: mb for pid, mb in workers.items() if mb is not None}
+        now, frontend_cpu, client_cpu = time.monotonic(), cpu_s(run.serve_pid), time.process_time()
+        elapsed = max(now - then, 1e-9)
         sample = {
-            "t_s": round(time.monotonic() - start, 1),
-            "frontend_mb": round(rss_mb(serve_pid) or 0.0, 1),
+            "t_s": run.now(),
+            "frontend_mb": round(rss_mb(run.serve_pid) or 0.0, 1),
             "workers_mb": {str(pid): round(mb, 1) for pid, mb in workers.items()},
-            "done": len(outcomes),
+            "frontend_cpu": round((frontend_cpu - frontend_then) / elapsed, 2),
+            "client_cpu": round((client_cpu - client_then) / elapsed, 2),
+            "done": len(run.outcomes),
+            "waiting": run.live.waiting,
+            "streaming": run.live.streaming,
         }
-        samples.append(sample)
+        then, frontend_then, client_then = now, frontend_cpu, client_cpu
+        run.samples.append(sample)
         worst = max(workers.values(), default=0.0)
         print(
-            f"  {sample['t_s']:7.1f}s  frontend {sample['frontend_mb']:7.1f} MB  workers "
-            f"{len(workers)} (max {worst:6.1f} MB)  requests done {len(outcomes)}",
+            f"  {sample['t_s']:7.1f}s  frontend {sample['frontend_mb']:6.1f} MB "
+            f"{sample['frontend_cpu']:4.2f} CPU  workers {len(workers)} (max {worst:6.1f} MB)  "
+            f"client {sample['client_cpu']:4.2f} CPU  waiting {run.live.waiting} streaming "
+            f"{run.live.streaming} done {len(run.outcomes)}",
             flush=True,
         )
         await asyncio.sleep(every)
 
 
-async def drive(args: argparse.Namespace, serve_pid: int, url: str) -> dict:
+async def drive(args: argparse.Namespace, serve_pid: int, url: str) -> Run:
     """The clients, the killer and the sampler; everything they saw."""
-    start = time.monotonic()
-    until = start + args.minutes * 60
-    outcomes: list[Outcome] = []
-    kills: list[dict] = []
-    samples: list[dict] = []
+    run = Run(serve_pid, time.monotonic(), InFlight(), [], [], [])
+    until = run.start + args.minutes * 60
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=args.streams + 16, max_keepalive_connections=None)
     timeout = httpx.Timeout(30.0, read=args.read_timeout, pool=None)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
         clients = [
-            asyncio.create_task(client(http, random.Random(rng.random()), args, until, outcomes))
+            asyncio.create_task(
+                client(http, random.Random(rng.random()), args, until, run.live, run.outcomes)
+            )
             for _ in range(args.streams)
         ]
         side = [
-            asyncio.create_task(killer(serve_pid, args.kill_every, start, until, rng, kills)),
-            asyncio.create_task(sampler(serve_pid, args.sample_every, start, outcomes, samples)),
+            asyncio.create_task(killer(run, args.kill_every, until, rng)),
+            asyncio.create_task(sampler(run, args.sample_every)),
         ]
         await asyncio.gather(*clients)
         for task in side:
             task.cancel()
         await asyncio.gather(*side, return_exceptions=True)
-    return {"outcomes": outcomes, "kills": kills, "samples": samples}
+    return run
 
 
 def percentiles(values: list[float]) -> dict | None:
@@ -237,8 +294,9 @@ def rss_summary(samples: list[dict]) -> dict:
     }
 
 
-def summarize(seen: dict, log_text: str) -> dict:
-    outcomes: list[Outcome] = seen["outcomes"]
+def summarize(run: Run, log_text: str) -> dict:
+    """Lost requests, latency by group, RSS and CPU over the run."""
+    outcomes = run.outcomes
     migrated, retried = moved_requests(log_text)
     groups: dict[str, list[Outcome]] = {"undisturbed": [], "migrated": [], "retried": []}
     for o in outcomes:
@@ -252,16 +310,25 @@ def summarize(seen: dict, log_text: str) -> dict:
             )
             groups[kind].append(o)
     lost = [o for o in outcomes if o.error is not None]
+    cpu = {
+        k: max((s[k] for s in run.samples[1:]), default=None)
+        for k in ("frontend_cpu", "client_cpu")
+    }
     return {
         "requests": len(outcomes),
         "lost": len(lost),
         "errors_by_kind": dict(Counter(o.error for o in lost)),
-        "kills": len(seen["kills"]),
+        "lost_requests": [
+            {"t_s": round(o.started - run.start, 1), "id": o.request_id, "error": o.error}
+            for o in lost
+        ],
+        "kills": len(run.kills),
         "migrations_logged": len(migrated),
         "retries_logged": len(retried),
         "ttft": {k: percentiles([o.ttft for o in v]) for k, v in groups.items()},
         "longest_pause": {k: percentiles([o.max_gap for o in v]) for k, v in groups.items()},
-        "rss": rss_summary(seen["samples"]),
+        "rss": rss_summary(run.samples),
+        "peak_cpu_cores": cpu,
     }
 
 
@@ -329,14 +396,14 @@ def main() -> None:
     try:
         wait_ready(url, proc, args.workers, 300)
         print(f"soak: {args.streams} streams, {args.minutes} min, kill every {args.kill_every}s")
-        seen = asyncio.run(drive(args, proc.pid, url))
+        run = asyncio.run(drive(args, proc.pid, url))
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    summary = summarize(seen, log_path.read_text(errors="replace"))
+    summary = summarize(run, log_path.read_text(errors="replace"))
     record = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         **provenance(),
@@ -348,13 +415,13 @@ def main() -> None:
         },
         "open_files_limit": open_files,
         **summary,
-        "kill_times": seen["kills"],
-        "rss_samples": seen["samples"],
+        "kill_times": run.kills,
+        "samples": run.samples,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         f.write(json.dumps(record) + "\n")
-    print(json.dumps({k: v for k, v in record.items() if k not in ("rss_samples",)}, indent=1))
+    print(json.dumps({k: v for k, v in record.items() if k != "samples"}, indent=1))
     print(f"serve's log: {log_path}")
 
 
