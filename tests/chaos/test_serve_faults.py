@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
+import random
 import re
 import signal
 import socket
@@ -170,4 +172,67 @@ def test_sigterm_drains_a_workers_streams_and_serve_replaces_it(serve: MockServe
     assert left.endswith("(0 workers)")
     serve.wait_for_workers(1)  # --restart-workers: a new one joins
     assert victim not in serve.worker_pids()
+    assert serve.complete().status_code == 200
+
+
+FIELDS = (
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs",
+    "top_logprobs", "echo", "logit_bias", "stream", "stream_options", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "best_of",
+    "response_format", "tools", "tool_choice", "user", "suffix", "prompt_logprobs", "role",
+)  # fmt: skip
+ODD = (
+    None, True, False, -1, 0, 1.5, -1e308, 2**63, 2**64, -(2**64), 10**30, "", "x",
+    "\ud800", "9" * 400, [], {}, [1, 2], [[1, -5]], [2**64], {"a": 1}, {"1": 1e300},
+    [{"role": "user"}], [{"role": "user", "content": ["x"]}], [{"content": 5}],
+)  # fmt: skip
+
+
+def fuzzed_body(rng) -> tuple[str, bytes]:
+    """A request path and a body mutated from a valid one (fields, JSON text or bytes)."""
+    path, body = rng.choice(
+        [
+            ("/v1/completions", {"model": MODEL, "prompt": "The river", "max_tokens": 3}),
+            (
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            ),
+        ]
+    )
+    for _ in range(rng.randint(1, 3)):
+        field = rng.choice(FIELDS)
+        if rng.random() < 0.15:
+            body.pop(field, None)
+        else:
+            body[field] = rng.choice(ODD)
+    if not (isinstance(body.get("max_tokens"), int) and 0 <= body["max_tokens"] <= 3):
+        body["max_tokens"] = rng.choice([3, -1, 2**64, "3", 1.5])  # no long generations
+    text = json.dumps(body, ensure_ascii=True).encode()
+    kind = rng.random()
+    if kind < 0.1:
+        text = text[: rng.randrange(len(text))]
+    elif kind < 0.2:
+        raw = bytearray(text)
+        for _ in range(rng.randint(1, 8)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        text = bytes(raw)
+    elif kind < 0.25:
+        text = rng.choice([b"[]", b"1", b'"s"', b"null", b"[" * 50_000, b'{"model":' * 20_000])
+    return path, text
+
+
+def test_fuzzed_bodies_get_clean_4xx(serve: MockServe) -> None:
+    rng = random.Random(14)
+    seen: dict[int, int] = {}
+    with httpx.Client(base_url=serve.url, timeout=30) as http:
+        for _ in range(300):
+            path, text = fuzzed_body(rng)
+            headers = {"content-type": "application/json"}
+            reply = http.post(path, content=text, headers=headers)
+            seen[reply.status_code] = seen.get(reply.status_code, 0) + 1
+            assert reply.status_code < 500, (path, text[:300], reply.text[:300])
+            if reply.status_code >= 400:
+                assert isinstance(reply.json()["error"]["message"], str), reply.text
+    assert seen.get(400, 0) > 150 and seen.get(200, 0) > 5, seen
     assert serve.complete().status_code == 200
