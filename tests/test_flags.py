@@ -14,8 +14,8 @@ from shoal.cli import COMMANDS, build_parser, configuration_doc
 from shoal.engine.cli import engine_options
 from shoal.flags import Flag, FlagGroup, FlagParser, parse_bool
 from shoal.runtime.cli import runtime_options
+from shoal.runtime.net import ANY_ADDRESS, advertise_address
 from shoal.serve import worker_argv, worker_env
-from shoal.worker.cli import ANY_ADDRESS, advertise_address
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,11 +16,13 @@ import time
 
 from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.frontend.app import MAX_REQUEST_BODY_BYTES
+from shoal.frontend.disagg_client import DISAGG
 from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST
 from shoal.frontend.worker_client import MIGRATION_LIMIT, NEXT_TOKEN_TIMEOUT
 from shoal.router.cli import ROUTER, router_options
 from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
+from shoal.runtime.net import advertise_address
 
 FRONTEND = FlagGroup(
     "frontend",
@@ -101,6 +103,7 @@ def configure(parser: FlagParser) -> None:
         "discovery. Workers may join and leave while it runs."
     )
     add_frontend_args(parser)
+    parser.add_group(DISAGG)
     parser.add_group(RUNTIME)
     parser.add_group(LOGGING)
     parser.set_defaults(func=run_frontend_command)
@@ -108,8 +111,6 @@ def configure(parser: FlagParser) -> None:
 
 def frontend_router_options(args: argparse.Namespace) -> dict:
     """The router's options with replica sync publishing on --host, dialled at --advertise-host."""
-    from shoal.worker.cli import advertise_address
-
     options = router_options(args)
     options["sync_host"] = args.host
     options["sync_advertise_host"] = args.advertise_host or advertise_address(args.host)
@@ -282,6 +283,7 @@ async def serve_frontend(
     from prometheus_client import CollectorRegistry
 
     from shoal.frontend.app import build_app
+    from shoal.frontend.disagg_client import disaggregated
     from shoal.frontend.tokenizer_pool import TokenizerPool, WorkerModelFiles
     from shoal.frontend.worker_client import WorkerClient
     from shoal.runtime.distributed import DistributedRuntime
@@ -292,13 +294,14 @@ async def serve_frontend(
     client = None
     watcher = None
     try:
-        client = await WorkerClient(
+        client = workers = await WorkerClient(
             runtime,
             registry=registry,
             migration_limit=args.migration_limit,
             next_token_timeout=args.next_token_timeout,
             **options,
         ).start()
+        client = await disaggregated(workers, runtime, args, registry)
         app = build_app(
             client,
             api_key=args.api_key,
@@ -307,7 +310,9 @@ async def serve_frontend(
             max_request_body_bytes=args.max_request_body_bytes,
             max_prompts_per_request=args.max_prompts_per_request,
             access_log=args.access_log,
-            tokenizers=TokenizerPool(WorkerModelFiles(runtime.requests, client.endpoint.instances)),
+            tokenizers=TokenizerPool(
+                WorkerModelFiles(runtime.requests, workers.endpoint.instances)
+            ),
         )
         config = uvicorn.Config(
             app,

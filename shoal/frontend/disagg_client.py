@@ -116,15 +116,21 @@ class DisaggClient:
     def live_models(self) -> list[str]:
         return self.workers.live_models()
 
-    async def generate(
-        self, model: str, request: EngineRequest
-    ) -> AsyncGenerator[EngineOutput, None]:
+    def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """The request's outputs: the workers' own stream when it stays local (no extra layer
+        per token), else a remote prefill followed by the decode worker's stream."""
         instance, reason = self._plan(model, request)
-        first = None
-        if instance is not None:
-            first = await self._prefill(instance, request)
-            reason = "remote" if first is not None else "prefill_failed"
-        self.prefills.labels("remote" if first is not None else "local", reason).inc()
+        if instance is None:
+            self.prefills.labels("local", reason).inc()
+            return self.workers.generate(model, request)
+        return self._remote(model, request, instance)
+
+    async def _remote(
+        self, model: str, request: EngineRequest, instance: InstanceRecord
+    ) -> AsyncGenerator[EngineOutput, None]:
+        first = await self._prefill(instance, request)
+        where, reason = ("remote", "remote") if first is not None else ("local", "prefill_failed")
+        self.prefills.labels(where, reason).inc()
         if first is None:
             async for out in self.workers.generate(model, request):
                 yield out

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import socket
 import sys
 
 from shoal.engine.cli import add_engine_args, engine_options
@@ -13,9 +12,9 @@ from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.mocker.cli import MOCKER, mocker_options
 from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
+from shoal.runtime.net import advertise_address
 
 ENGINES = ("shoal", "mocker")
-ANY_ADDRESS = ("0.0.0.0", "*", "::", "")
 
 ENGINE_CHOICE = FlagGroup(
     "engine choice",
@@ -121,24 +120,6 @@ def configure(parser: FlagParser) -> None:
     parser.add_group(RUNTIME)
     parser.add_group(LOGGING)
     parser.set_defaults(func=run_worker)
-
-
-def advertise_address(host: str) -> str:
-    """The address others dial for a server bound to `host`: `host` itself unless it binds
-    every interface, then this machine's primary address (its hostname's when it has no
-    route out)."""
-    if host not in ANY_ADDRESS:
-        return host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))  # UDP: picks the outgoing interface, sends nothing
-            return probe.getsockname()[0]
-        except OSError:
-            pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def _build_engine(make_engine: functools.partial):
