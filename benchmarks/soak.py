@@ -87,8 +87,10 @@ async def one_request(
     error, finish, tokens = None, None, None
     decode = msgspec.json.decode
     live.waiting += 1
+    answered = False
     try:
         async with http.stream("POST", "/v1/completions", json=body) as reply:
+            answered = True
             if reply.status_code != 200:
                 await reply.aread()
                 error = f"http_{reply.status_code}"
@@ -112,7 +114,8 @@ async def one_request(
                     gap, last = max(gap, now - last) if last > start else gap, now
                     finish = event["choices"][0].get("finish_reason") or finish
     except httpx.HTTPError as e:
-        error = f"client_{type(e).__name__}"
+        where = "mid_stream" if first is not None else "before_data" if answered else "no_answer"
+        error = f"client_{type(e).__name__}_{where}"
     finally:
         if first is None:
             live.waiting -= 1
@@ -196,27 +199,33 @@ async def killer(run: Run, every: float, until: float, rng: random.Random) -> No
 async def sampler(run: Run, every: float) -> None:
     """RSS of the frontend and each worker, and CPU use, every `every` seconds."""
     then, frontend_then, client_then = time.monotonic(), cpu_s(run.serve_pid), time.process_time()
+    workers_then: dict[int, float] = {}
     while True:
-        workers = {pid: rss_mb(pid) for pid in worker_pids(run.serve_pid)}
-        workers = {pid: mb for pid, mb in workers.items() if mb is not None}
+        pids = worker_pids(run.serve_pid)
+        workers = {pid: mb for pid in pids if (mb := rss_mb(pid)) is not None}
+        workers_cpu = {pid: cpu_s(pid) for pid in pids}
         now, frontend_cpu, client_cpu = time.monotonic(), cpu_s(run.serve_pid), time.process_time()
         elapsed = max(now - then, 1e-9)
+        worker_used = sum(cpu - workers_then.get(pid, cpu) for pid, cpu in workers_cpu.items())
         sample = {
             "t_s": run.now(),
             "frontend_mb": round(rss_mb(run.serve_pid) or 0.0, 1),
             "workers_mb": {str(pid): round(mb, 1) for pid, mb in workers.items()},
             "frontend_cpu": round((frontend_cpu - frontend_then) / elapsed, 2),
             "client_cpu": round((client_cpu - client_then) / elapsed, 2),
+            "workers_cpu": round(worker_used / elapsed, 2),
             "done": len(run.outcomes),
             "waiting": run.live.waiting,
             "streaming": run.live.streaming,
         }
         then, frontend_then, client_then = now, frontend_cpu, client_cpu
+        workers_then = workers_cpu
         run.samples.append(sample)
         worst = max(workers.values(), default=0.0)
         print(
             f"  {sample['t_s']:7.1f}s  frontend {sample['frontend_mb']:6.1f} MB "
-            f"{sample['frontend_cpu']:4.2f} CPU  workers {len(workers)} (max {worst:6.1f} MB)  "
+            f"{sample['frontend_cpu']:4.2f} CPU  workers {len(workers)} (max {worst:6.1f} MB, "
+            f"{sample['workers_cpu']:4.2f} CPU)  "
             f"client {sample['client_cpu']:4.2f} CPU  waiting {run.live.waiting} streaming "
             f"{run.live.streaming} done {len(run.outcomes)}",
             flush=True,
@@ -312,7 +321,7 @@ def summarize(run: Run, log_text: str) -> dict:
     lost = [o for o in outcomes if o.error is not None]
     cpu = {
         k: max((s[k] for s in run.samples[1:]), default=None)
-        for k in ("frontend_cpu", "client_cpu")
+        for k in ("frontend_cpu", "workers_cpu", "client_cpu")
     }
     return {
         "requests": len(outcomes),
