@@ -14,6 +14,8 @@ KV_STATE_ENDPOINT = "shoal.backend.kv_state"
 # A prefill worker's endpoints (issue 16): prefill-only generate, and its pinned KV blocks.
 PREFILL_ENDPOINT = "shoal.prefill.generate"
 KV_BLOCKS_ENDPOINT = "shoal.prefill.kv_blocks"
+# A prefill worker's description of its registered KV memory (NIXL, CUDA IPC handshakes).
+KV_AGENT_ENDPOINT = "shoal.prefill.kv_agent"
 # Event-plane topics of a worker's publisher (its address: InstanceRecord.extra["kv_events"]).
 KV_EVENTS_TOPIC = "kv"
 LOAD_TOPIC = "load"
@@ -232,6 +234,41 @@ class KVBlocksChunk(msgspec.Struct, kw_only=True):
     first_block: int
     num_blocks: int
     data: bytes
+
+
+class KVAgentRequest(msgspec.Struct, kw_only=True):
+    """Decode to prefill worker: describe your KV memory for this transfer backend."""
+
+    backend: str  # "nixl" or "cuda_ipc"
+
+
+class CudaIpcHandle(msgspec.Struct, kw_only=True, array_like=True):
+    """One CUDA storage shared between processes (the fields of torch's _share_cuda_)."""
+
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class KVAgentInfo(msgspec.Struct, kw_only=True):
+    """A prefill worker's KV memory: one region per layer, each [2 (K, V), num_blocks,
+    block_size, num_kv_heads, head_dim] of the layout's dtype, C order. `nixl`: the agent's
+    name and metadata and the regions' addresses; `cuda_ipc`: a handle per region."""
+
+    backend: str
+    host_id: str  # machine identity (boot id): CUDA IPC works only on the same host
+    num_blocks: int
+    mem_type: str = "DRAM"  # NIXL memory type of the regions: DRAM or VRAM
+    device_id: int = 0
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    region_addresses: list[int] = msgspec.field(default_factory=list)
+    ipc_handles: list[CudaIpcHandle] = msgspec.field(default_factory=list)
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):

@@ -1,13 +1,18 @@
 """KV transfer backends: how a decode worker pulls a prefill worker's pinned blocks.
 
-Every backend pulls blocks first..end of a `KVTransferParams` into a host (or device)
-tensor in the engine's layout and then has the prefill worker unpin them. `host` goes over
-the request plane (the `kv_blocks` endpoint, frames of whole blocks) and works wherever the
-workers reach each other; `nixl` is used when the `nixl` package imports.
+Every backend pulls blocks first.. of a `KVTransferParams` into a tensor in the engine's
+transfer layout, and has the prefill worker unpin them once read. `host` goes over the
+request plane (the `kv_blocks` endpoint, frames of whole blocks) and works wherever the
+workers reach each other; `nixl` reads registered memory one-sided (shoal.disagg.nixl);
+`cuda_ipc` copies from the prefill worker's GPU memory on the same host
+(shoal.disagg.cuda_ipc). A prefill worker offers its backends best first in the transfer
+parameters; `Transports` takes the first this worker has, or the one forced.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -16,18 +21,21 @@ from shoal.disagg.blocks import BlockAssembler
 from shoal.protocol import KV_BLOCKS_ENDPOINT, KVBlocksChunk, KVBlocksRequest, KVTransferParams
 from shoal.runtime.request_client import RequestClient
 
-BACKENDS = ("auto", "host")
+BACKENDS = ("auto", "host", "nixl", "cuda_ipc")
+
+
+@functools.cache
+def host_id() -> str:
+    """This machine's identity for same-host checks: the kernel's boot id."""
+    path = Path("/proc/sys/kernel/random/boot_id")
+    return path.read_text().strip() if path.is_file() else ""
 
 
 class KVTransport(Protocol):
     name: str
 
     async def pull(self, params: KVTransferParams, first_block: int) -> torch.Tensor:
-        """Blocks first_block.. of the pinned prefill, then release it on the prefill side."""
-        ...
-
-    async def release(self, params: KVTransferParams) -> None:
-        """Unpin the prefill's blocks without pulling any."""
+        """Blocks first_block.. of the pinned prefill; the prefill side then unpins them."""
         ...
 
 
@@ -50,8 +58,13 @@ class HostTransport:
         )
         return joined.tensor()
 
-    async def release(self, params: KVTransferParams) -> None:
-        await self._ask(params, KVBlocksRequest(request_id=params.request_id, num_blocks=0), None)
+    async def release(self, params: KVTransferParams, pulled: bool = False) -> None:
+        """Unpin the prefill's blocks (`pulled`: another backend has read them)."""
+        if pulled:  # no blocks from the last on, then unpin as pulled
+            ask = KVBlocksRequest(request_id=params.request_id, first_block=len(params.block_ids))
+        else:
+            ask = KVBlocksRequest(request_id=params.request_id, num_blocks=0)
+        await self._ask(params, ask, None)
 
     async def _ask(
         self, params: KVTransferParams, request: KVBlocksRequest, joined: BlockAssembler | None
@@ -70,8 +83,42 @@ class HostTransport:
                 joined.add(chunk)
 
 
-def make_transport(name: str, requests: RequestClient) -> KVTransport:
-    """The backend `name` (auto: the best available here)."""
-    if name in ("auto", "host"):
-        return HostTransport(requests)
-    raise ValueError(f"unknown KV transfer backend {name!r} (choose from {', '.join(BACKENDS)})")
+class Transports:
+    """This decode worker's backends: host always, the others it could start."""
+
+    def __init__(
+        self, host: HostTransport, others: list[KVTransport], forced: str | None = None
+    ) -> None:
+        """forced: the one backend to use (None: the prefill side's best that is here)."""
+        self.host = host
+        self.by_name: dict[str, KVTransport] = {t.name: t for t in others}
+        self.by_name["host"] = host
+        if forced is not None and forced not in self.by_name:
+            raise ValueError(f"KV transfer backend {forced!r} is not available here")
+        self.forced = forced
+
+    @property
+    def names(self) -> list[str]:
+        """The backends this worker can pull with."""
+        return list(self.by_name)
+
+    def choose(self, params: KVTransferParams) -> KVTransport:
+        """The backend for this transfer: the forced one, else the first the prefill worker
+        offers that this worker has, else host."""
+        if self.forced is not None:
+            return self.by_name[self.forced]
+        for name in params.backends:
+            if name in self.by_name:
+                return self.by_name[name]
+        return self.host
+
+    async def release(self, params: KVTransferParams) -> None:
+        """Unpin the prefill's blocks without pulling them."""
+        await self.host.release(params)
+
+    async def close(self) -> None:
+        """Stop the backends' agents."""
+        for transport in self.by_name.values():
+            close = getattr(transport, "close", None)
+            if close is not None:
+                await close()

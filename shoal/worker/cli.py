@@ -81,10 +81,12 @@ KV_TRANSFER = FlagGroup(
     (
         Flag(
             "kv-transfer-backend",
-            "how decode workers pull KV blocks from prefill workers: auto (the best "
-            "available), host (host memory over the request plane)",
+            "how decode workers pull KV blocks from prefill workers: auto (the best both "
+            "sides have: cuda_ipc on one host, then nixl, then host), host (host memory over "
+            "the request plane), nixl (one-sided NIXL reads of registered memory), cuda_ipc "
+            "(GPU to GPU on one host); on a prefill worker, what it offers",
             default="auto",
-            choices=("auto", "host"),
+            choices=("auto", "host", "nixl", "cuda_ipc"),
         ),
         Flag(
             "kv-pin-timeout",

@@ -13,15 +13,16 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 
+from shoal.disagg.backends import start_exporters, start_transports
 from shoal.disagg.metrics import DisaggMetrics
 from shoal.disagg.receiver import KVReceiver
 from shoal.disagg.source import PIN_TIMEOUT, KVSource
-from shoal.disagg.transport import make_transport
 from shoal.engine.async_llm import AsyncLLM, EngineDeadError
 from shoal.engine.llm_engine import LLMEngine
 from shoal.models.loader import resolve_model_dir
 from shoal.protocol import (
     GENERATE_ENDPOINT,
+    KV_AGENT_ENDPOINT,
     KV_BLOCKS_ENDPOINT,
     KV_STATE_ENDPOINT,
     MODEL_FILE_CHUNK,
@@ -30,6 +31,7 @@ from shoal.protocol import (
     PREFILL_ENDPOINT,
     EngineOutput,
     EngineRequest,
+    KVAgentRequest,
     KVBlocksRequest,
     KVStateDump,
     KVStateRequest,
@@ -275,11 +277,15 @@ async def serve_worker(
     files = await asyncio.to_thread(read_model_files, engine.engine)
     worker = Worker(engine, served_model_name, publisher, metrics, files)
     disagg = DisaggMetrics(served_model_name, metrics.registry)
+    name = runtime.instance_id
     if role == "prefill":
-        worker.source = KVSource(engine, disagg, pin_timeout)
+        exporters = await start_exporters(kv_transfer_backend, engine.engine, name)
+        worker.source = KVSource(engine, disagg, pin_timeout, exporters=exporters)
     else:
-        transport = make_transport(kv_transfer_backend, runtime.requests)
-        worker.receiver = KVReceiver(engine, transport, engine.engine.kv_layout, disagg)
+        transports = await start_transports(
+            kv_transfer_backend, runtime.requests, engine.engine, name
+        )
+        worker.receiver = KVReceiver(engine, transports, engine.engine.kv_layout, disagg)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -292,6 +298,7 @@ async def serve_worker(
     )
     if worker.source is not None:
         await runtime.serve_endpoint(KV_BLOCKS_ENDPOINT, worker.source.kv_blocks, KVBlocksRequest)
+        await runtime.serve_endpoint(KV_AGENT_ENDPOINT, worker.source.kv_agent, KVAgentRequest)
     served = await runtime.serve_endpoint(
         PREFILL_ENDPOINT if role == "prefill" else GENERATE_ENDPOINT,
         worker.generate,
@@ -323,6 +330,8 @@ async def serve_worker(
     finally:
         if worker.source is not None:
             await worker.source.close()
+        if worker.receiver is not None:
+            await worker.receiver.transports.close()
         for task in background:
             task.cancel()
         for task in background:

@@ -1,6 +1,7 @@
 """Disaggregated serving with real worker processes: one `shoal worker --role prefill`, one
 `--role decode`, and a DisaggClient in the test process; outputs match an aggregated engine
-token for token, only missing blocks travel, and pinned blocks never leak."""
+token for token, only missing blocks travel, and pinned blocks never leak. Every test runs
+once per KV transfer backend that works on a CPU: host, and NIXL where a NIXL wheel imports."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shoal.disagg.nixl import load_nixl
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
 from shoal.frontend.disagg_client import DisaggClient
@@ -25,6 +27,12 @@ from shoal.runtime.distributed import DistributedRuntime
 
 MODEL = "tiny"
 PIN_TIMEOUT = 4.0
+BACKENDS = [
+    "host",
+    pytest.param(
+        "nixl", marks=pytest.mark.skipif(load_nixl() is None, reason="no NIXL wheel installed")
+    ),
+]
 
 
 def free_port() -> int:
@@ -36,11 +44,14 @@ def free_port() -> int:
 class Worker:
     """One `shoal worker` process with its /metrics port."""
 
-    def __init__(self, model_dir: Path, folder: Path, role: str) -> None:
+    def __init__(
+        self, model_dir: Path, folder: Path, role: str, backend: str, device: str = "cpu"
+    ) -> None:
         self.port = free_port()
         argv = [sys.executable, "-m", "shoal", "worker", "--model", str(model_dir)]
-        argv += ["--device", "cpu", "--served-model-name", MODEL, "--log-level", "warning"]
+        argv += ["--device", device, "--served-model-name", MODEL, "--log-level", "warning"]
         argv += ["--discovery", f"file://{folder}", "--role", role]
+        argv += ["--kv-transfer-backend", backend]
         argv += ["--metrics-port", str(self.port), "--kv-pin-timeout", str(PIN_TIMEOUT)]
         self.proc = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -105,19 +116,27 @@ class Frontend:
         self.thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def cluster(llama_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("disagg")
-    prefill, decode = Worker(llama_dir, folder, "prefill"), Worker(llama_dir, folder, "decode")
+def start_cluster(folder: Path, workers: list[Worker]) -> Frontend:
+    """A frontend once every worker has registered (the prefill worker first)."""
     frontend = Frontend(folder)
     deadline = time.monotonic() + 120
     while not (
         frontend.client.prefill_endpoint.instances()
-        and frontend.client.workers.endpoint.instances()
+        and len(frontend.client.workers.endpoint.instances()) == len(workers) - 1
     ):
-        assert prefill.proc.poll() is None and decode.proc.poll() is None, "a worker exited"
+        assert all(w.proc.poll() is None for w in workers), "a worker exited"
         assert time.monotonic() < deadline, "the workers did not register"
         time.sleep(0.1)
+    return frontend
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(request, llama_dir, tmp_path_factory):
+    backend = request.param
+    folder = tmp_path_factory.mktemp("disagg")
+    prefill = Worker(llama_dir, folder, "prefill", backend)
+    decode = Worker(llama_dir, folder, "decode", backend)
+    frontend = start_cluster(folder, [prefill, decode])
     yield prefill, decode, frontend
     frontend.close()
     for w in (prefill, decode):
@@ -139,7 +158,9 @@ def reference(llama_dir):
     return run
 
 
-def request(rid: str, length: int, seed: int | None = None, max_tokens: int = 10) -> EngineRequest:
+def request_for(
+    rid: str, length: int, seed: int | None = None, max_tokens: int = 10
+) -> EngineRequest:
     prompt = [(i * 29 + length) % 370 + 3 for i in range(length)]
     sp = SamplingParams(
         temperature=0.0 if seed is None else 0.8, seed=seed, max_tokens=max_tokens, ignore_eos=True
@@ -147,20 +168,25 @@ def request(rid: str, length: int, seed: int | None = None, max_tokens: int = 10
     return EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sp)
 
 
-def test_remote_prefill_matches_aggregated(cluster, reference):
+def test_remote_prefill_matches_aggregated(cluster, reference, request):
     prefill, decode, frontend = cluster
+    backend = request.node.callspec.params["cluster"]
     for i, (length, seed) in enumerate([(7, None), (83, None), (200, None), (90, 5)]):
-        req = request(f"same-{i}", length, seed)
+        req = request_for(f"same-{i}", length, seed)
         remote = frontend.prefills("remote")
         assert frontend.generate(req, threshold=0) == reference(req)
         assert frontend.prefills("remote") == remote + 1
-    decode.wait_metric("shoal_kv_transfers_total", 4, 'outcome="ok"')
+    decode.wait_metric(
+        "shoal_kv_transfers_total", 4, f'backend="{backend}",model="{MODEL}",outcome="ok"'
+    )
     prefill.wait_metric("shoal_kv_pinned_blocks", 0)
+    # the pins went because the decode worker read the blocks (a NIXL READ's notification)
+    assert prefill.metric("shoal_kv_pinned_releases_total", 'reason="pulled"') == 4
 
 
 def test_only_missing_blocks_travel(cluster, reference):
     _, decode, frontend = cluster
-    full = request("part", 160)  # 10 blocks
+    full = request_for("part", 160)  # 10 blocks
     head = EngineRequest(
         request_id="part-head", prompt_token_ids=full.prompt_token_ids[:70], sampling=full.sampling
     )
@@ -175,11 +201,11 @@ def test_only_missing_blocks_travel(cluster, reference):
 def test_threshold_switches_local_and_remote(cluster, reference):
     _, _, frontend = cluster
     local, remote = frontend.prefills("local"), frontend.prefills("remote")
-    short, long = request("short", 40), request("long", 120)
+    short, long = request_for("short", 40), request_for("long", 120)
     assert frontend.generate(short, threshold=64) == reference(short)
     assert frontend.generate(long, threshold=64) == reference(long)
     assert (frontend.prefills("local"), frontend.prefills("remote")) == (local + 1, remote + 1)
-    again = request("long-again", 120)
+    again = request_for("long-again", 120)
     assert frontend.generate(again, threshold=200) == reference(again)
     assert frontend.prefills("local") == local + 2
 
@@ -189,7 +215,7 @@ def test_abandoned_prefill_unpins(cluster):
     timeouts = prefill.metric("shoal_kv_pinned_releases_total", 'reason="timeout"')
 
     async def first_then_leave() -> None:
-        stream = frontend.client.generate(MODEL, request("gone", 150))
+        stream = frontend.client.generate(MODEL, request_for("gone", 150))
         await anext(stream)
         await stream.aclose()  # the client disconnects before any decode worker pulls
 
@@ -199,7 +225,7 @@ def test_abandoned_prefill_unpins(cluster):
     assert prefill.metric("shoal_kv_pinned_releases_total", 'reason="released"') >= 1
     # a prefill whose decode side never comes (a dead decode worker) is unpinned on time
     instance = frontend.client.prefill_endpoint.instances()[0]
-    first = frontend.call(frontend.client._prefill(instance, request("orphan", 150)))
+    first = frontend.call(frontend.client._prefill(instance, request_for("orphan", 150)))
     assert first.kv_transfer is not None
     prefill.wait_metric("shoal_kv_pinned_blocks", 10)
     prefill.wait_metric("shoal_kv_pinned_blocks", 0, timeout=PIN_TIMEOUT + 10)
@@ -208,7 +234,7 @@ def test_abandoned_prefill_unpins(cluster):
 
 def test_prefill_worker_dies_before_the_pull(cluster, reference):
     prefill, decode, frontend = cluster
-    req = request("killed", 130, seed=3)
+    req = request_for("killed", 130, seed=3)
     frontend.client.max_local_prefill_length = 0
 
     async def kill_after_first_token() -> list[int]:
