@@ -44,12 +44,26 @@ class LLM:
         self.tokenizer = TextTokenizer(engine_options.get("tokenizer") or self.engine.model_dir)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+
+        A request the engine refuses (a grammar that does not compile) raises ValueError
+        with the engine's message, after stopping every prompt of the call.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -61,9 +75,14 @@ class LLM:
         for prompt, sp in zip(prompts, params, strict=True):
             rid = str(next(self._ids))
             results[rid] = self._add(rid, prompt, sp)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                results[out.request_id].update(out, self.engine)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    results[out.request_id].update(out, self.engine)
+        except ValueError:
+            for rid in results:  # the other prompts of this call stop with it
+                self.engine.abort(rid)
+            raise
         return [r.output for r in results.values()]
 
     def chat(
@@ -107,6 +126,8 @@ class _Tracker:
         ]
 
     def update(self, out: EngineOutput, engine: LLMEngine) -> None:
+        if out.finish_reason == "error":
+            raise ValueError(out.error or "the engine refused the request")
         seq = self.output.outputs[out.index]
         if seq.finish_reason is not None:
             return

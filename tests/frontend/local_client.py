@@ -1,11 +1,15 @@
-"""EngineClients for the frontend tests: a real in-process engine, and clients that fail."""
+"""EngineClients for the frontend tests: a real in-process engine, and clients that fail;
+Server runs an app on a real port."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
+
+import uvicorn
 
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.config import EngineConfig
@@ -14,7 +18,8 @@ from shoal.protocol import EngineOutput, EngineRequest, ModelCard
 
 
 class LocalEngineClient:
-    """An EngineClient over an in-process AsyncLLM; records how each request's stream ended."""
+    """An EngineClient over an in-process AsyncLLM; records how each request's stream ended.
+    An output the engine ends with an error is a ValueError, as the worker client makes it."""
 
     def __init__(self, model_dir: Path, served_name: str, **engine_options) -> None:
         self.llm = AsyncLLM(EngineConfig(model=str(model_dir), **engine_options))
@@ -46,6 +51,8 @@ class LocalEngineClient:
         try:
             async with contextlib.aclosing(self.llm.generate(request)) as stream:
                 async for out in stream:
+                    if out.error is not None:
+                        raise ValueError(out.error)
                     self.tokens[rid] += len(out.new_token_ids)
                     yield out
             finished = True
@@ -131,3 +138,29 @@ class DyingWorkerClient:
                     raise WorkerFailed("worker process exited with code -9")
                 sent += 1
                 yield out
+
+
+class Server:
+    """An app on 127.0.0.1 (ephemeral port) in a background thread."""
+
+    def __init__(self, app) -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

@@ -187,14 +187,15 @@ def test_async_scheduling_preemption_and_chunked_prefill(llama_dir, llm):
     assert [o.outputs[0].token_ids for o in got] == expected
 
 
-def test_invalid_grammar_ends_with_an_error_and_keeps_the_engine(llm):
+def test_invalid_grammar_raises_and_keeps_the_engine(llm):
     bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a(b"))
     good = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    outs = llm.generate(PROMPTS[:2], [bad, good])
-    assert outs[0].outputs[0].finish_reason == "error"
-    assert len(outs[1].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="parenthesis"):
+        llm.generate(PROMPTS[:2], [bad, good])
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    outs = llm.generate(PROMPTS[:2], [good, good])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
 
 
 def test_abort_while_compiling(llm):

@@ -9,11 +9,12 @@ import re
 import httpx
 import openai
 import pytest
+from local_client import LocalEngineClient, Server
 from schema_check import violations
-from structured_client import MODEL, RefusingEngineClient, Server
 
 from shoal.frontend import build_app
 
+MODEL = "tiny-llama"
 CHAT = [{"role": "user", "content": "Describe a user."}]
 SCHEMA = {
     "type": "object",
@@ -27,7 +28,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    client = RefusingEngineClient(llama_dir)
+    client = LocalEngineClient(llama_dir, MODEL, device="cpu", num_gpu_blocks=2048)
     server = Server(build_app(client)).start()
     yield server
     server.stop()
