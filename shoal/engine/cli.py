@@ -81,6 +81,13 @@ ENGINE = FlagGroup(
             kind="toggle",
             shown_default="on with CUDA, off on CPU",
         ),
+        Flag(
+            "tensor-parallel-size",
+            "split the model over N ranks, one process (and GPU) each (see engine.md)",
+            int,
+            metavar="N",
+            shown_default="1",
+        ),
     ),
     about="The engine's options: every command that runs an engine takes them (`shoal "
     "serve` passes them to its workers). Unset ones are left to the engine's defaults.",

@@ -25,9 +25,11 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: run decode without CUDA graphs
     # schedule step N+1 while the device runs step N; default: on with CUDA, off on CPU
     async_scheduling: bool | None = None
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
 
     def __post_init__(self) -> None:
         checks = [
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1"),
             (self.block_size >= 1, "block_size", "must be at least 1"),

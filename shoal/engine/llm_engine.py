@@ -14,9 +14,11 @@ import torch
 from shoal.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
+from shoal.engine.parallel.executor import Followers, RankDiedError
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.kv_hash import extra_key, hash_blocks
+from shoal.layers.parallel import TPGroup, head_shards
 from shoal.models.config import ModelConfig
 from shoal.models.loader import load_model, resolve_model_dir
 from shoal.protocol import (
@@ -65,11 +67,20 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self._init_config(config, engine_device(config.device))
         t0 = time.perf_counter()
-        model = load_model(self.model_dir, self.model_config, self.device, config.load_format)
-        load_time = time.perf_counter() - t0
-        num_blocks = self._num_kv_blocks(model)
-        self._build(model, num_blocks)
-        graph_time = self.runner.capture_graphs()
+        self._start_followers()
+        try:
+            model = load_model(
+                self.model_dir, self.model_config, self.device, config.load_format, self.tp
+            )
+            if self.followers is not None:
+                self.followers.wait_ready()
+            load_time = time.perf_counter() - t0
+            num_blocks = self._num_kv_blocks(model)
+            self._build(model, num_blocks)
+            graph_time = self._capture_graphs()
+        except BaseException:
+            self.shutdown()
+            raise
         log.info(
             "engine ready in %.2fs (weights %.2fs, graphs %.2fs): %s on %s, "
             "%d KV blocks of %d tokens = %d tokens of KV cache",
@@ -88,16 +99,50 @@ class LLMEngine:
         config = self.config
         self._init_core(num_blocks)
         generator = torch.Generator(self.device).manual_seed(config.seed)
+        if self.followers is not None:
+            self.followers.build(
+                num_blocks, config.max_num_seqs, self.max_model_len, config.enforce_eager
+            )
         self.runner = ModelRunner(
             model,
             self.model_config,
-            self.kv,
+            num_blocks,
+            config.block_size,
             self.device,
             generator,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=config.enforce_eager,
+            kv=self.kv,
+            tp=self.tp,
+            followers=self.followers,
         )
+
+    def _capture_graphs(self) -> float:
+        """Capture the decode CUDA graphs on every rank; seconds spent on this one."""
+        if self.followers is not None:
+            self.followers.capture_graphs()
+        return self.runner.capture_graphs()
+
+    def _start_followers(self) -> None:
+        """With tensor_parallel_size > 1: check the model splits, start ranks 1.., join them."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return
+        cfg = self.model_config
+        head_shards(cfg.num_heads, cfg.num_kv_heads, TPGroup(0, size))
+        if cfg.intermediate_size % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide "
+                f"intermediate_size {cfg.intermediate_size}"
+            )
+        self.followers = Followers(self.config, self.device)
+        self.device, self.tp = self.followers.device, self.followers.tp
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (the engine cannot step after)."""
+        if getattr(self, "followers", None) is not None:
+            self.followers.close()
 
     def _init_config(self, config: EngineConfig, device: torch.device) -> None:
         """The model's folder and config, the device, context length and EOS ids."""
@@ -107,6 +152,8 @@ class LLMEngine:
         self.device = device
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.tp: TPGroup = TPGroup()  # this process's rank: 0 of tensor_parallel_size
+        self.followers: Followers | None = None  # the other ranks
         self._grammars = None  # GrammarCompilerPool, built for the first structured request
 
     def _init_core(self, num_blocks: int) -> None:
@@ -155,7 +202,7 @@ class LLMEngine:
         cfg, config = self.model_config, self.config
         if config.num_gpu_blocks is not None:
             return config.num_gpu_blocks
-        per_block = kv_bytes_per_block(cfg, config.block_size, cfg.dtype)
+        per_block = kv_bytes_per_block(cfg, config.block_size, cfg.dtype, self.tp)
         budget = config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             budget = self._profile_kv_budget(model)
@@ -181,11 +228,11 @@ class LLMEngine:
         )
         blocks = sum(-(-(n + 1) // self.config.block_size) for n in prompts)
         self._build(model, blocks)
-        self.runner.capture_graphs()
+        self._capture_graphs()
         self._run_profile_step(prompts)
         torch.cuda.synchronize(self.device)
         per_block = kv_bytes_per_block(
-            self.model_config, self.config.block_size, self.model_config.dtype
+            self.model_config, self.config.block_size, self.model_config.dtype, self.tp
         )
         held = torch.cuda.max_memory_reserved(self.device) - blocks * per_block
         free, total = torch.cuda.mem_get_info(self.device)
@@ -226,6 +273,8 @@ class LLMEngine:
     def _take_down(self, model: torch.nn.Module) -> None:
         """Free the runner, its graphs and its KV pool."""
         del self.runner, self.scheduler, self.kv
+        if self.followers is not None:
+            self.followers.take_down()
         for layer in model.attention_layers():
             layer.kv_cache = torch.empty(0)
         gc.collect()
@@ -344,6 +393,8 @@ class LLMEngine:
         for the step before it.
         """
         outputs: list[EngineOutput] = []
+        if self.followers is not None:
+            self.followers.check()
         if self._in_flight is not None and self._in_flight.needs_history:
             outputs, self._in_flight = self._complete(self._in_flight), None
         if self._injecting:
@@ -363,7 +414,12 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput) -> _Step:
         """Start the batch on the runner and advance its sequences past the scheduled tokens."""
         step = _Step(sched, [r.num_computed_tokens for r in sched.requests])
-        step.handle = self.runner.launch(sched)
+        try:
+            step.handle = self.runner.launch(sched)
+        except RuntimeError as e:
+            if self.followers is not None and not isinstance(e, RankDiedError):
+                self.followers.wait_failure(e)
+            raise
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens + req.num_placeholders:
@@ -515,6 +571,7 @@ class LLMEngine:
         params = self.pinned.get(request_id)
         if params is None:
             raise ValueError(f"no KV blocks pinned for request {request_id!r}")
+        self._check_single_rank("KV transfer")
         return self.runner.read_blocks(params.block_ids[first : first + count])
 
     def num_cached_prefix_blocks(self, token_ids: list[int], lora_id: int | None = None) -> int:
@@ -525,6 +582,7 @@ class LLMEngine:
     def stage_kv(self, request_id: str, first_block: int, data: torch.Tensor) -> None:
         """Hold the prompt KV from block first_block on for the request about to be added
         under this id (its prompt: the prefill's prompt and first token)."""
+        self._check_single_rank("KV transfer")
         self._staged[request_id] = (first_block, data)
 
     def _admit_injected(self) -> None:
@@ -563,6 +621,10 @@ class LLMEngine:
         self.kv.cache_blocks(seq)
         self.num_kv_injected += 1
         return True
+
+    def _check_single_rank(self, what: str) -> None:
+        if self.tp.size > 1:
+            raise ValueError(f"{what} with tensor_parallel_size > 1 is not supported yet")
 
     # ---- state for the serving layer
 

@@ -3,6 +3,10 @@
 Sequences are concatenated (no padding); every token gets its position and its cache
 slot; each sequence its block table. Only sequences whose scheduled chunk reaches their
 last known token are sampled. On CUDA, pure-decode batches replay captured CUDA graphs.
+
+The runner keeps its own copy of the block table. On rank 0 it turns the scheduler's
+output into a StepPlan (block ids that changed included), sends it to the other
+tensor-parallel ranks, and runs it like they do; only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import torch
 
 from shoal.engine.cuda_graphs import DecodeGraphs
 from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.parallel.plan import RunnerBlockTable, StepPlan
 from shoal.engine.request import Request
 from shoal.engine.sampler import SampledTokens, Sampler, logprob_pieces, token_logprobs
 from shoal.engine.scheduler import SchedulerOutput
 from shoal.engine.transfer import to_device, to_host
 from shoal.layers.attention import AttentionMetadata
+from shoal.layers.parallel import TPGroup, head_shards
 from shoal.models.config import ModelConfig
 from shoal.protocol import TokenLogprob
 
@@ -95,8 +101,12 @@ class InputStaging:
         ]
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_block(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: TPGroup | None = None
+) -> int:
+    """Bytes of one KV block on one rank (which holds its share of the KV heads)."""
+    _, kv_heads, _ = head_shards(cfg.num_heads, cfg.num_kv_heads, tp or TPGroup())
+    return 2 * cfg.num_layers * block_size * kv_heads * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
@@ -104,21 +114,31 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         cfg: ModelConfig,
-        kv: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
         device: torch.device,
         generator: torch.Generator | None = None,
         max_num_seqs: int = 256,
         max_model_len: int = 4096,
         enforce_eager: bool = False,
+        kv: KVCacheManager | None = None,
+        tp: TPGroup | None = None,
+        followers=None,
     ) -> None:
+        """kv: the scheduler's KV manager (rank 0), whose block table the runner follows;
+        followers: what sends each step's plan to the other ranks (ExecutorFollowers)."""
         self.model = model
         self.cfg = cfg
         self.kv = kv
+        self.tp = tp or TPGroup()
+        self.followers = followers
         self.device = device
-        self.block_size = kv.block_size
+        self.block_size = block_size
+        self.table = RunnerBlockTable()
         self.sampler = Sampler(generator)
         self.staging = InputStaging(device)
-        shape = (2, kv.num_blocks, kv.block_size, cfg.num_kv_heads, cfg.head_dim)
+        heads = model.attention_layers()[0]
+        shape = (2, num_blocks, block_size, heads.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=cfg.dtype, device=device) for _ in range(cfg.num_layers)
         ]
@@ -134,7 +154,7 @@ class ModelRunner:
 
             max_blocks = -(-max_model_len // self.block_size)
             self.decode_workspace = DecodeWorkspace(
-                max_num_seqs, cfg.num_heads, cfg.head_dim, max_splits=16, device=device
+                max_num_seqs, heads.num_heads, cfg.head_dim, max_splits=16, device=device
             )
             if not enforce_eager:
                 self.graphs = DecodeGraphs(
@@ -158,40 +178,83 @@ class ModelRunner:
         """Capture the decode CUDA graphs; returns seconds spent (0 when graphs are off)."""
         return self.graphs.capture() if self.graphs is not None else 0.0
 
-    def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
+    def _plan(self, sched: SchedulerOutput) -> tuple[StepPlan, np.ndarray, list]:
+        """The step's plan, the indices of the sequences it samples, and the prompt-logprob
+        work: (request, first row in the logits, first position, count) each."""
         reqs, counts = sched.requests, sched.num_new_tokens
-        num_seqs, bs = len(reqs), self.block_size
+        num_seqs = len(reqs)
         starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, num_seqs)
         n = np.asarray(counts, dtype=np.int64)
         rows = self.kv.table_rows(reqs)
-        table = self.kv.block_table
+        source = self.kv.block_table
+        width = int(source.lengths[rows].max())
+        self.table.reserve(int(rows.max()) + 1, width)
+        changed = self.table.changes(rows, source.table[rows, :width])
         total = int(n.sum())
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(n, out=query_start[1:])
+        if total == num_seqs:  # decode: one token each
+            input_ids = np.fromiter((r.all_token_ids[-1] for r in reqs), np.int64, total)
+        else:
+            input_ids = np.zeros(total, dtype=np.int64)  # a pending token stays 0 until patched
+            for r, c, begin in zip(reqs, counts, query_start[:-1].tolist(), strict=True):
+                known = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + c]
+                input_ids[begin : begin + len(known)] = known
+        # sequences whose chunk reaches their last known or pending token are sampled
+        num_tokens = np.fromiter(
+            (r.num_tokens + r.num_placeholders for r in reqs), np.int64, num_seqs
+        )
+        sampled = np.flatnonzero(starts + n == num_tokens)
+        sample_rows = query_start[sampled + 1] - 1
+        prompt_rows: list[int] = []  # flat indices whose logits score the next prompt token
+        prompt_lp: list[tuple[Request, int, int, int]] = []
+        for i, req in enumerate(reqs):
+            if req.wants_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens - 1:
+                start, offset = req.num_computed_tokens, int(query_start[i])
+                count = min(int(starts[i] + n[i]), req.num_prompt_tokens - 1) - start
+                prompt_lp.append((req, len(prompt_rows), start, count))
+                prompt_rows += range(offset, offset + count)
+        every_row = not prompt_rows and len(sample_rows) == total
+        dst, src = self._placeholder_rows(reqs, query_start)
+        plan = StepPlan(
+            input_ids,
+            starts,
+            n,
+            rows,
+            width,
+            *changed,
+            None if every_row else np.asarray(prompt_rows + sample_rows.tolist(), np.int64),
+            len(sampled),
+            dst,
+            src,
+        )
+        return plan, sampled, prompt_lp
+
+    def _batch(self, plan: StepPlan) -> BatchInputs:
+        """The flat batch of a plan, read from the runner's own block table."""
+        starts, n, rows, bs = plan.starts, plan.counts, plan.rows, self.block_size
+        num_seqs, total = len(n), len(plan.input_ids)
         if total == num_seqs:  # decode: one token each
             query_start = np.arange(num_seqs + 1, dtype=np.int32)
             positions = starts
             token_rows = rows
-            input_ids = np.fromiter((r.all_token_ids[-1] for r in reqs), np.int64, total)
         else:
             query_start = np.zeros(num_seqs + 1, dtype=np.int32)
             np.cumsum(n, out=query_start[1:])
             seq_index = np.repeat(np.arange(num_seqs), n)
             positions = np.arange(total, dtype=np.int64) + np.repeat(starts - query_start[:-1], n)
             token_rows = rows[seq_index]
-            input_ids = np.zeros(total, dtype=np.int64)  # a pending token stays 0 until patched
-            for r, c, begin in zip(reqs, counts, query_start[:-1].tolist(), strict=True):
-                known = r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + c]
-                input_ids[begin : begin + len(known)] = known
-        slots = table.table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        width = int(table.lengths[rows].max())
+        table = self.table.ids
+        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         ends = starts + n
         return BatchInputs(
-            input_ids,
+            plan.input_ids,
             positions,
             slots,
-            table.table[rows, :width],
+            table[rows, : plan.width],
             ends.astype(np.int32),
             query_start,
-            list(counts),
+            n.tolist(),
             ends.tolist(),
         )
 
@@ -231,37 +294,42 @@ class ModelRunner:
         return self.model(input_ids, positions, meta)
 
     @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run a plan's forward pass on this rank: the logits of its rows (rank 0), else None.
+
+        A follower rank then takes the draws that rank 0 shares (async scheduling patches
+        them into the next step's input ids on the device).
+        """
+        self.table.apply(plan)
+        batch = self._batch(plan)
+        hidden = self._forward(batch, self._placeholder_patch(plan))
+        if plan.logit_rows is None:
+            selected = hidden  # every token is a sampled sequence's last (decode)
+        else:
+            selected = hidden[to_device(plan.logit_rows.tolist(), torch.int64, self.device)]
+        logits = self.model.compute_logits(selected)
+        if self.tp.rank > 0 and plan.num_sampled:
+            empty = torch.empty(plan.num_sampled, dtype=torch.int64, device=self.device)
+            self._last_tokens = self.tp.broadcast(empty)
+        return logits
+
+    @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Queue the batch's forward pass and sampling on the device; wait for nothing.
 
         A sequence whose next input is still being sampled by the previous launch (a
         placeholder) gets that token on the device, from the previous launch's draws.
         Prompt logprobs are the exception: they are computed here, waiting for the device.
+        Only rank 0 samples: the sampling state (seeds, penalties' history, grammars) lives
+        with the scheduler, and the other ranks need only the tokens, which reach them in
+        the next plan or, still on the device, by a broadcast of the draws.
         """
-        batch = self._prepare(sched)
+        plan, sampled, prompt_lp = self._plan(sched)
+        if self.followers is not None:
+            self.followers.send_step(plan)
+        logits = self.execute(plan)
         reqs = sched.requests
-        # sequences whose chunk reaches their last known or pending token are sampled
-        num_tokens = np.fromiter(
-            (r.num_tokens + r.num_placeholders for r in reqs), np.int64, len(reqs)
-        )
-        sampled = np.flatnonzero(batch.seq_lens == num_tokens)
-        sample_rows = batch.query_start[sampled + 1] - 1
-        prompt_rows: list[int] = []  # flat indices whose logits score the next prompt token
-        prompt_lp: list[tuple[Request, int, int, int]] = []  # req, first row, first pos, count
-        for i, req in enumerate(reqs):
-            if req.wants_prompt_logprobs and req.num_computed_tokens < req.num_prompt_tokens - 1:
-                start, offset = req.num_computed_tokens, int(batch.query_start[i])
-                count = min(batch.seq_lens_host[i], req.num_prompt_tokens - 1) - start
-                prompt_lp.append((req, len(prompt_rows), start, count))
-                prompt_rows += range(offset, offset + count)
-
-        hidden = self._forward(batch, self._placeholder_patch(reqs, batch.query_start))
-        if not prompt_rows and len(sample_rows) == hidden.shape[0]:
-            selected = hidden  # every token is a sampled sequence's last (decode)
-        else:
-            rows = to_device(prompt_rows + sample_rows.tolist(), torch.int64, self.device)
-            selected = hidden[rows]
-        logits = self.model.compute_logits(selected)
+        num_prompt_rows = 0 if plan.logit_rows is None else len(plan.logit_rows) - len(sampled)
 
         handle = StepHandle()
         for req, row, first_pos, count in prompt_lp:
@@ -275,8 +343,8 @@ class ModelRunner:
         sample_reqs = [reqs[i] for i in sampled.tolist()]
         self._last_rows = {r.request_id: j for j, r in enumerate(sample_reqs)}
         if sample_reqs:
-            draw = self.sampler(logits[len(prompt_rows) :], sample_reqs)
-            self._last_tokens = draw.token_ids
+            draw = self.sampler(logits[num_prompt_rows:], sample_reqs)
+            self._last_tokens = self.tp.broadcast(draw.token_ids)
             handle.request_ids = list(self._last_rows)
             handle.draw = draw.map(to_host)
             if self.device.type == "cuda":
@@ -297,17 +365,23 @@ class ModelRunner:
             out.logprobs[handle.request_ids[row]] = lp
         return out
 
-    def _placeholder_patch(self, reqs: list[Request], query_start: np.ndarray):
-        """A function that writes the pending tokens into the device's input ids, or None."""
+    def _placeholder_rows(
+        self, reqs: list[Request], query_start: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The flat rows whose input is a pending token, and its row in the last draws."""
         pending = [i for i, r in enumerate(reqs) if r.num_placeholders]
         if not pending:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        dst = query_start[np.asarray(pending) + 1] - 1
+        src = np.fromiter((self._last_rows[reqs[i].request_id] for i in pending), np.int64)
+        return dst.astype(np.int64), src
+
+    def _placeholder_patch(self, plan: StepPlan):
+        """A function that writes the pending tokens into the device's input ids, or None."""
+        if not len(plan.patch_dst):
             return None
-        dst = to_device(
-            (query_start[np.asarray(pending) + 1] - 1).tolist(), torch.int64, self.device
-        )
-        src = to_device(
-            [self._last_rows[reqs[i].request_id] for i in pending], torch.int64, self.device
-        )
+        dst = to_device(plan.patch_dst.tolist(), torch.int64, self.device)
+        src = to_device(plan.patch_src.tolist(), torch.int64, self.device)
         tokens = self._last_tokens
 
         def patch(input_ids: torch.Tensor) -> None:

@@ -5,6 +5,8 @@
 
 Qwen2 adds a bias to q, k, v; Qwen3 normalises q and k per head before RoPE.
 q/k/v and gate/up projections are fused into one matmul each; the loader fills the slices.
+With tensor parallelism each rank holds its heads, its slice of the MLP and of the
+vocabulary; o_proj, down_proj and the embedding sum over the ranks (shoal/layers/linear.py).
 """
 
 from __future__ import annotations
@@ -18,20 +20,26 @@ from shoal.kernels import triton_kernels
 from shoal.kernels.qk_rope_ref import qk_rope_store_ref
 from shoal.layers.activation import silu_and_mul
 from shoal.layers.attention import Attention, AttentionMetadata
-from shoal.layers.linear import Linear
+from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shoal.layers.norm import RMSNorm
+from shoal.layers.parallel import TPGroup
 from shoal.layers.rotary import RotaryEmbedding
 from shoal.models.config import ModelConfig
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias, tp
+        )
+        self.heads, self.kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.split = [size for _, size in self.qkv_proj.segments]
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp
+        )
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -85,22 +93,23 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        sizes = [cfg.intermediate_size, cfg.intermediate_size]
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, sizes, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rotary)
+        self.self_attn = SelfAttention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(
         self,
@@ -119,13 +128,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(  # one cos/sin table shared by every layer
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
@@ -148,11 +157,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -162,16 +172,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of every token in the flat batch."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the vocabulary (on rank 0 only when tensor-parallel)."""
         return self.lm_head(hidden)
-
-    def shard_sizes(self, fused_param: str) -> list[int]:
-        """Row counts of the checkpoint tensors stacked in a fused parameter."""
-        cfg = self.config
-        if ".qkv_proj." in fused_param:
-            kv = cfg.num_kv_heads * cfg.head_dim
-            return [cfg.num_heads * cfg.head_dim, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from shoal.layers.parallel import TPGroup
 from shoal.models.config import ModelConfig
 from shoal.models.registry import model_class
 
@@ -47,12 +48,17 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_model(
-    path: Path, cfg: ModelConfig, device: torch.device | str = "cpu", load_format: str = "auto"
+    path: Path,
+    cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
+    tp: TPGroup | None = None,
 ) -> nn.Module:
     """Instantiate the config's architecture on `device` and fill it from the safetensors.
 
-    load_format "dummy" fills random weights instead (benchmarks of real shapes need no
-    checkpoint: random weights cost exactly what real ones do).
+    With a tensor-parallel group, the model holds this rank's shard and reads only its
+    slices of the checkpoint. load_format "dummy" fills random weights instead (benchmarks
+    of real shapes need no checkpoint: random weights cost exactly what real ones do).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
@@ -60,7 +66,7 @@ def load_model(
     torch.set_default_dtype(cfg.dtype)  # build in the target dtype: no float32 copy first
     try:
         with torch.device(torch.device(device)):
-            model = model_class(cfg)(cfg)
+            model = model_class(cfg)(cfg, tp or TPGroup())
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
@@ -82,8 +88,13 @@ def init_random_weights(model: nn.Module, std: float = 0.02) -> None:
             param.normal_(0.0, std)
 
 
+@torch.no_grad()
 def load_weights(model: nn.Module, files: list[Path]) -> None:
-    """Copy every checkpoint tensor into its parameter; fail on unknown or missing weights."""
+    """Fill every parameter from the checkpoint; fail on unknown or missing weights.
+
+    A sharded layer (one with `load_weight`) reads only its rank's slice of each tensor.
+    """
+    modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     filled: dict[str, set[int]] = {}
     tied = model.config.tie_word_embeddings
@@ -95,29 +106,30 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                 target, shard = _target(name, model.packed_modules)
                 if target not in params:
                     raise ValueError(f"{file.name}: weight {name!r} has no place in the model")
-                dest = params[target].data
-                if shard is not None:
-                    sizes = model.shard_sizes(target)
-                    dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
-                tensor = f.get_tensor(name)
-                if dest.shape != tensor.shape:
-                    raise ValueError(
-                        f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(dest.shape)}"
-                    )
-                dest.copy_(tensor)
+                owner, _, leaf = target.rpartition(".")
+                module = modules[owner]
+                try:
+                    if hasattr(module, "load_weight"):
+                        module.load_weight(leaf, shard, f.get_slice(name))
+                    else:
+                        _copy_whole(params[target].data, f.get_tensor(name))
+                except ValueError as e:
+                    raise ValueError(f"weight {name!r}: {e}") from None
                 filled.setdefault(target, set()).add(shard or 0)
     missing = [
         n
         for n, p in params.items()
-        if len(filled.get(n, ())) < (len(model.shard_sizes(n)) if n.endswith(_FUSED) else 1)
+        if len(filled.get(n, ())) < getattr(modules[n.rpartition(".")[0]], "num_shards", 1)
         and not (tied and n == "lm_head.weight")
     ]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
 
 
-_FUSED = ("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")
+def _copy_whole(dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
 
 
 def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
