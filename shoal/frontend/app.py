@@ -22,6 +22,7 @@ from shoal.frontend.protocol_openai import (
 )
 from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing, json_response
 from shoal.frontend.tokenizer_pool import TokenizerPool
+from shoal.frontend.tool_parsers.output import ParserConfig
 
 # 16 MiB holds the longest context served today as text or token ids: a 1M-token prompt
 # is about 4 MB of text, or at most 8 MB as JSON token ids ("151642,"), with room for
@@ -66,6 +67,7 @@ def build_app(
     max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
     access_log: bool = False,
     tokenizers: TokenizerPool | None = None,
+    parsers: ParserConfig | None = None,
 ) -> FastAPI:
     """The app: /v1/chat/completions, /v1/completions, /v1/models, /health, /live, /metrics.
 
@@ -75,7 +77,7 @@ def build_app(
     max_request_body_bytes: a larger body is answered 413 unread. max_prompts_per_request:
     a completions request with more prompts is a 400. access_log: one `shoal.access` log
     line per /v1 request. tokenizers: where the models' tokenizers come from (default:
-    each card's folder on this host).
+    each card's folder on this host). parsers: the tool-call and reasoning parsers.
     """
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1 (got {max_concurrency})")
@@ -86,7 +88,7 @@ def build_app(
             f"max_prompts_per_request must be at least 1 (got {max_prompts_per_request})"
         )
     metrics = FrontendMetrics(registry)
-    serving = OpenAIServing(client, metrics, max_prompts_per_request)
+    serving = OpenAIServing(client, metrics, max_prompts_per_request, parsers)
     if tokenizers is not None:
         serving.tokenizers = tokenizers
     app = FastAPI(title="shoal", summary="OpenAI-compatible LLM serving")

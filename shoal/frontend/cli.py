@@ -17,7 +17,10 @@ import time
 from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.frontend.app import MAX_REQUEST_BODY_BYTES
 from shoal.frontend.disagg_client import DISAGG
+from shoal.frontend.reasoning import REASONING_PARSER_NAMES
 from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST
+from shoal.frontend.tool_parsers import TOOL_PARSER_NAMES
+from shoal.frontend.tool_parsers.output import ParserConfig
 from shoal.frontend.worker_client import MIGRATION_LIMIT, NEXT_TOKEN_TIMEOUT
 from shoal.router.cli import ROUTER, router_options
 from shoal.runtime import event_loop
@@ -90,10 +93,47 @@ FRONTEND = FlagGroup(
 )
 
 
+TOOLS = FlagGroup(
+    "tool calling and reasoning",
+    (
+        Flag(
+            "enable-auto-tool-choice",
+            'serve tool_choice "auto": the model decides to call, --tool-call-parser reads '
+            "its calls",
+            kind="switch",
+        ),
+        Flag(
+            "tool-call-parser",
+            "the models' tool-call format, read into tool_calls",
+            choices=TOOL_PARSER_NAMES,
+            shown_default="none",
+        ),
+        Flag(
+            "reasoning-parser",
+            "the models' thinking format, moved to reasoning_content",
+            choices=REASONING_PARSER_NAMES,
+            shown_default="none",
+        ),
+    ),
+    about="Tools and reasoning in chat completions ([tools.md](tools.md)).",
+)
+
+
 def add_frontend_args(parser: FlagParser) -> None:
-    """The frontend's groups: HTTP server and routing."""
+    """The frontend's groups: HTTP server, tools and reasoning, routing."""
     parser.add_group(FRONTEND)
+    parser.add_group(TOOLS)
     parser.add_group(ROUTER)
+
+
+def parser_config(args: argparse.Namespace) -> ParserConfig:
+    """The tool-call and reasoning parser settings; a one-line exit when they conflict."""
+    try:
+        return ParserConfig(
+            args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser
+        )
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def configure(parser: FlagParser) -> None:
@@ -289,6 +329,7 @@ async def serve_frontend(
     from shoal.runtime.distributed import DistributedRuntime
 
     options = frontend_router_options(args)
+    parsers = parser_config(args)
     registry = CollectorRegistry()
     runtime = DistributedRuntime(discovery, **runtime_options(args))
     client = None
@@ -310,6 +351,7 @@ async def serve_frontend(
             max_request_body_bytes=args.max_request_body_bytes,
             max_prompts_per_request=args.max_prompts_per_request,
             access_log=args.access_log,
+            parsers=parsers,
             tokenizers=TokenizerPool(
                 WorkerModelFiles(runtime.requests, workers.endpoint.instances)
             ),

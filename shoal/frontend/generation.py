@@ -65,10 +65,19 @@ async def _merged(
 class Choice:
     """One output sequence: its detokenizer (stop strings), token count and finish."""
 
-    __slots__ = ("detok", "finish_reason", "index", "last_output", "num_tokens", "stop_reason")
+    __slots__ = (
+        "detok",
+        "eos_token_ids",
+        "finish_reason",
+        "index",
+        "last_output",
+        "num_tokens",
+        "stop_reason",
+    )
 
     def __init__(self, index: int, tok: ModelTokenizer, params: SamplingParams) -> None:
         self.index = index
+        self.eos_token_ids = frozenset(tok.eos_token_ids)
         self.detok = IncrementalDetokenizer(
             tok.text.tokenizer,
             params.stop,
@@ -83,12 +92,23 @@ class Choice:
     def feed(self, out: EngineOutput) -> str:
         """Take one engine output; return the newly final text and set the finish if done."""
         self.num_tokens += len(out.new_token_ids)
-        text = self.detok.add_tokens(out.new_token_ids, final=out.finished)
+        text = self.detok.add_tokens(self._text_tokens(out), final=out.finished)
         if self.detok.stop_reason is not None:
             self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
         elif out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return text
+
+    def _text_tokens(self, out: EngineOutput) -> list[int]:
+        """The output's tokens that become text: a stop token's text stays out (as in vLLM;
+        it shows when special tokens are kept) unless include_stop_str_in_output."""
+        ids = out.new_token_ids
+        if out.finish_reason != "stop" or not ids or self.detok.include_stop:
+            return ids
+        by_token = isinstance(out.stop_reason, int)
+        if by_token or (out.stop_reason is None and ids[-1] in self.eos_token_ids):
+            return ids[:-1]
+        return ids
 
 
 class RequestRun:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -18,6 +19,7 @@ from shoal.frontend.protocol_openai import (
     SamplingFields,
 )
 from shoal.frontend.tokenizer_pool import ModelTokenizer
+from shoal.frontend.tool_parsers.output import ParserConfig
 from shoal.protocol import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
@@ -54,11 +56,26 @@ def _content_text(message: ChatMessage, position: int) -> str:
     return "\n".join(texts)
 
 
+def _call_arguments(call: object) -> None:
+    """A history tool call's JSON arguments as a dict, as Hugging Face templates expect."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            return
+        if isinstance(decoded, dict):
+            function["arguments"] = decoded
+
+
 def _template_messages(body: ChatCompletionRequest) -> list[dict]:
     messages = []
     for i, message in enumerate(body.messages):
         entry = message.model_dump(exclude_none=True)
         entry["content"] = _content_text(message, i)
+        for call in entry.get("tool_calls") or ():
+            _call_arguments(call)
         messages.append(entry)
     return messages
 
@@ -69,6 +86,8 @@ def _render_chat(tok: ModelTokenizer, body: ChatCompletionRequest, messages: lis
         for k, v in (body.chat_template_kwargs or {}).items()
         if k not in ("messages", "add_generation_prompt", "bos_token", "eos_token")
     }
+    if body.tools:
+        extra["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
     try:
         text = tok.text.apply_chat_template(messages, body.add_generation_prompt, **extra)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
@@ -118,6 +137,7 @@ async def chat_prompt(tok: ModelTokenizer, body: ChatCompletionRequest, context:
         )
     messages = _template_messages(body)
     size = sum(len(m["content"]) for m in messages)
+    size += sum(len(json.dumps(t.function.parameters or {})) for t in body.tools or ())
     check_text_size(tok, size, context, "messages")
     text = await _cpu(size, _render_chat, tok, body, messages)
     token_ids = await _cpu(size, tok.text.encode, text, False)
@@ -272,8 +292,12 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     constraint: StructuredOutputsParams | None = None,
+    keep_special_tokens: bool = False,
 ) -> SamplingParams:
-    """The request's SamplingParams; a value the engine cannot honour is a 400 naming it."""
+    """The request's SamplingParams; a value the engine cannot honour is a 400 naming it.
+
+    keep_special_tokens: the output's parser reads special tokens, so they stay in the text.
+    """
     try:
         return SamplingParams(
             n=body.n,
@@ -293,9 +317,77 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=body.skip_special_tokens and not keep_special_tokens,
             structured_outputs=constraint,
         )
     except ValueError as e:
         message = str(e)
         raise bad_request(message, param=message.split(" ", 1)[0]) from e
+
+
+def tool_choice(body: ChatCompletionRequest, config: ParserConfig) -> tuple[str, str | None]:
+    """The request's tool choice as (none | auto | required | named, the named function);
+    a 400 naming tool_choice for one the request or the server cannot serve."""
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if body.tools else "none"
+    if choice != "none" and not body.tools:
+        raise bad_request("tool_choice needs tools: send the tools it may call", "tool_choice")
+    if choice == "auto" and not config.auto_tools:
+        raise bad_request(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+            "to be set",
+            param="tool_choice",
+        )
+    if isinstance(choice, str):
+        return choice, None
+    name = choice.function.name
+    if name not in {t.function.name for t in body.tools}:
+        raise bad_request(f"tool_choice names {name!r}, which is not a tool", "tool_choice")
+    return "named", name
+
+
+def _parameters(tool) -> dict:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def tool_constraint(
+    body: ChatCompletionRequest, mode: str, name: str | None
+) -> StructuredOutputsParams | None:
+    """The grammar that forces a required or named call (None for none and auto): a named
+    function's arguments, or a JSON array of {"name", "parameters"} objects."""
+    if mode not in ("required", "named"):
+        return None
+    if mode == "named":
+        schema = _parameters(next(t for t in body.tools if t.function.name == name))
+    else:
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": _parameters(t),
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in body.tools
+        ]
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not body.parallel_tool_calls:
+            schema["maxItems"] = 1
+    return _convert({"json": schema, "disable_any_whitespace": True}, "tools")
+
+
+def chat_constraint(
+    body: ChatCompletionRequest, mode: str, name: str | None
+) -> StructuredOutputsParams | None:
+    """The chat request's one output constraint: a forced tool call or structured outputs."""
+    forced = tool_constraint(body, mode, name)
+    requested = structured_outputs(body)
+    if forced is not None and requested is not None:
+        raise bad_request(
+            f"tool_choice {mode!r} constrains the output; it cannot be combined with "
+            "response_format or structured_outputs",
+            param="tool_choice",
+        )
+    return forced or requested

@@ -147,8 +147,42 @@ class ChatMessage(BaseModel):
         return self
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name, what it does, and the JSON schema of its arguments."""
+
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_unicode(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        _check_unicode(value)
+        return value
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False

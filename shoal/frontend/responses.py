@@ -11,10 +11,30 @@ from shoal.frontend.logprobs import (
     empty_completion_logprobs,
 )
 from shoal.frontend.tokenizer_pool import ModelTokenizer
+from shoal.frontend.tool_parsers.output import OutputParsing
 from shoal.protocol import TokenLogprob
 
 
-async def chat_response(run: RequestRun, tok: ModelTokenizer, logprobs: bool) -> dict:
+def _message(text: str, finish_reason: str | None, parsing: OutputParsing | None):
+    """A choice's message and finish reason, its text split by the request's parsers."""
+    if parsing is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    parser = parsing.new()
+    parsed = parser.feed(text).add(parser.finish())
+    calls = parsed.tool_calls()
+    message: dict = {"role": "assistant", "content": parsed.content or (None if calls else "")}
+    if parsing.reports_reasoning:
+        message["reasoning_content"] = parsed.reasoning or None
+    if calls:
+        message["tool_calls"] = calls
+        if finish_reason == "stop":
+            finish_reason = "tool_calls"
+    return message, finish_reason
+
+
+async def chat_response(
+    run: RequestRun, tok: ModelTokenizer, logprobs: bool, parsing: OutputParsing | None = None
+) -> dict:
     """Run the request to the end and build its chat.completion object."""
     texts: list[list[str]] = [[] for _ in run.choices]
     entries: list[list[dict]] = [[] for _ in run.choices]
@@ -24,16 +44,18 @@ async def chat_response(run: RequestRun, tok: ModelTokenizer, logprobs: bool) ->
                 texts[choice.index].append(text)
             if logprobs and out.new_logprobs:
                 entries[choice.index] += chat_logprobs(tok, out.new_logprobs)
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": "".join(texts[c.index])},
-            "logprobs": {"content": entries[c.index]} if logprobs else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in run.choices
-    ]
+    choices = []
+    for c in run.choices:
+        message, finish_reason = _message("".join(texts[c.index]), c.finish_reason, parsing)
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": {"content": entries[c.index]} if logprobs else None,
+                "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
     return {
         "id": run.id,
         "object": "chat.completion",

@@ -28,6 +28,7 @@ from shoal.frontend.protocol_openai import ChatCompletionRequest, CompletionRequ
 from shoal.frontend.responses import chat_response, completion_response
 from shoal.frontend.streaming import SSEResponse, chat_events, completion_events
 from shoal.frontend.tokenizer_pool import ModelTokenizer, TokenizerPool
+from shoal.frontend.tool_parsers.output import ParserConfig, output_parsing
 from shoal.protocol import ModelCard
 
 T = TypeVar("T")
@@ -60,10 +61,12 @@ class OpenAIServing:
         client: EngineClient,
         metrics: FrontendMetrics,
         max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
+        parsers: ParserConfig | None = None,
     ) -> None:
         self.client = client
         self.metrics = metrics
         self.max_prompts = max_prompts_per_request
+        self.parsers = parsers or ParserConfig()
         self.tokenizers = TokenizerPool()
         self.started = int(time.time())
 
@@ -83,7 +86,10 @@ class OpenAIServing:
         arrival = time.perf_counter()
         card, tok = await self._model(body.model, request)
         preprocess.check_chat(body, tok)
+        mode, function = preprocess.tool_choice(body, self.parsers)
+        constraint = preprocess.chat_constraint(body, mode, function)
         prompt = await preprocess.chat_prompt(tok, body, card.context_length)
+        parsing = output_parsing(self.parsers, mode, function, prompt.text or "")
         max_tokens = preprocess.max_tokens_for(
             body.max_completion_tokens or body.max_tokens,
             len(prompt.token_ids),
@@ -95,7 +101,8 @@ class OpenAIServing:
             body,
             max_tokens=max_tokens,
             logprobs=num_top if body.logprobs else None,
-            constraint=preprocess.structured_outputs(body),
+            constraint=constraint,
+            keep_special_tokens=parsing is not None and parsing.keeps_special_tokens,
         )
         run = RequestRun(
             self.client,
@@ -111,8 +118,8 @@ class OpenAIServing:
             request,
             body,
             run,
-            lambda usage: chat_events(run, tok, body.logprobs, usage),
-            lambda: chat_response(run, tok, body.logprobs),
+            lambda usage: chat_events(run, tok, body.logprobs, usage, parsing),
+            lambda: chat_response(run, tok, body.logprobs, parsing),
         )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:

@@ -23,6 +23,8 @@ from shoal.frontend.logprobs import (
     empty_completion_logprobs,
 )
 from shoal.frontend.tokenizer_pool import ModelTokenizer
+from shoal.frontend.tool_parsers.base import Delta
+from shoal.frontend.tool_parsers.output import OutputParsing
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +80,17 @@ class _Chunks:
 
 
 async def chat_events(
-    run: RequestRun, tok: ModelTokenizer, logprobs: bool, include_usage: bool
+    run: RequestRun,
+    tok: ModelTokenizer,
+    logprobs: bool,
+    include_usage: bool,
+    parsing: OutputParsing | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """chat.completion.chunk events: a role delta per choice, content deltas, finish, usage."""
+    """chat.completion.chunk events: a role delta per choice, content deltas (or, with
+    parsers, reasoning, content and tool-call deltas), finish, usage."""
     chunks = _Chunks(run, "chat.completion.chunk", include_usage)
+    parsers = [parsing.new() for _ in run.choices] if parsing is not None else None
+    called = [False] * len(run.choices)
     try:
         for choice in run.choices:
             role = {"role": "assistant", "content": ""}
@@ -93,13 +102,25 @@ async def chat_events(
                 entries = (
                     chat_logprobs(tok, out.new_logprobs) if logprobs and out.new_logprobs else None
                 )
-                if not text and entries is None and choice.finish_reason is None:
+                finish_reason = choice.finish_reason
+                if parsers is None:
+                    delta = {"content": text} if text else {}
+                else:
+                    parser = parsers[choice.index]
+                    parsed = parser.feed(text) if text else Delta()
+                    if finish_reason is not None:
+                        parsed.add(parser.finish())
+                    delta = parsed.to_dict()
+                    called[choice.index] = called[choice.index] or bool(parsed.calls)
+                    if called[choice.index] and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                if not delta and entries is None and finish_reason is None:
                     continue  # text held back (a possible stop string, half a character)
                 body = {
                     "index": choice.index,
-                    "delta": {"content": text} if text else {},
+                    "delta": delta,
                     "logprobs": None if entries is None else {"content": entries},
-                    "finish_reason": choice.finish_reason,
+                    "finish_reason": finish_reason,
                 }
                 if choice.finish_reason is not None:
                     body["stop_reason"] = choice.stop_reason
