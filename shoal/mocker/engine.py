@@ -38,7 +38,9 @@ class MockEngine(LLMEngine):
             self.model_config.vocab_size,
             self.eos_token_ids,
         )
-        self.runner = MockRunner(vocab, timing or TimingModel(), speedup, config.seed)
+        self.runner = MockRunner(
+            vocab, timing or TimingModel(), speedup, config.seed, self.model_config.num_layers
+        )
         log.info(
             "mocker ready: %s, %d KV blocks of %d tokens, speedup %g, %s",
             self.model_config.architecture,

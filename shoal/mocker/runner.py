@@ -13,6 +13,8 @@ import math
 import random
 import time
 
+import torch
+
 from shoal.engine.model_runner import RunnerOutput
 from shoal.engine.scheduler import SchedulerOutput
 from shoal.mocker.timing import TimingModel
@@ -21,7 +23,12 @@ from shoal.protocol import TokenLogprob
 
 class MockRunner:
     def __init__(
-        self, vocab: list[int], timing: TimingModel, speedup: float = 1.0, seed: int = 0
+        self,
+        vocab: list[int],
+        timing: TimingModel,
+        speedup: float = 1.0,
+        seed: int = 0,
+        num_layers: int = 1,
     ) -> None:
         if not vocab:
             raise ValueError("the mocker needs at least one token to sample")
@@ -31,6 +38,7 @@ class MockRunner:
         self.in_vocab = frozenset(vocab)
         self.token_logprob = -math.log(len(vocab))
         self.timing = timing
+        self.num_layers = num_layers  # of the KV layout blocks move in
         self.speedup = speedup
         self.rng = random.Random(seed)
         self.simulated_seconds = 0.0  # modelled GPU time of every step so far
@@ -55,6 +63,13 @@ class MockRunner:
                 if req.sampling.logprobs is not None:
                     out.logprobs[req.request_id] = self._logprob(token, req.sampling.logprobs)
         return out
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' KV as the mocker holds it: none (shoal.mocker.transfer)."""
+        return torch.empty((self.num_layers, 2, len(block_ids), 0, 0, 0))
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Transferred KV lands in these blocks: nothing to write in a mocker."""
 
     def collect(self, out: RunnerOutput) -> RunnerOutput:
         """The launched step's output (already complete)."""
