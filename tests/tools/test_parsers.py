@@ -13,7 +13,7 @@ from shoal.frontend.reasoning import deepseek_r1, qwen3
 from shoal.frontend.tool_parsers import TOOL_PARSERS
 from shoal.frontend.tool_parsers.forced import NamedParser, RequiredParser
 from shoal.frontend.tool_parsers.harmony import HarmonyParser
-from shoal.frontend.tool_parsers.output import ParserConfig, Pipeline
+from shoal.frontend.tool_parsers.output import OutputParsing, ParserConfig, Pipeline, output_parsing
 
 WEATHER = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}
 
@@ -178,3 +178,14 @@ def test_reasoning_then_tool_calls():
 def test_parser_config_refuses_what_it_cannot_serve(options, problem):
     with pytest.raises(ValueError, match=problem.replace("(", r"\(")):
         ParserConfig(**options)
+
+
+def test_parsers_that_read_special_tokens_keep_them_in_the_text():
+    def keeps(config: ParserConfig, mode: str = "auto") -> bool:
+        return OutputParsing(config, mode, None, "").keeps_special_tokens
+
+    assert keeps(ParserConfig("mistral", enable_auto_tool_choice=True))
+    assert keeps(ParserConfig(reasoning_parser="openai_gptoss"), mode="none")
+    assert not keeps(ParserConfig("hermes", enable_auto_tool_choice=True))
+    assert not keeps(ParserConfig("mistral", enable_auto_tool_choice=True), mode="required")
+    assert output_parsing(ParserConfig("hermes"), "none", None, "") is None

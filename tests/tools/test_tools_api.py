@@ -247,3 +247,14 @@ def test_unknown_parser_is_a_cli_error_naming_the_flag(argv, problem):
         timeout=60,
     )
     assert out.returncode == 2 and problem in out.stderr
+
+
+def test_a_stop_tokens_text_stays_out_when_special_tokens_are_kept(servers, tools_dir):
+    plain = openai.OpenAI(base_url=servers[1].url + "/v1", api_key="-", timeout=60)
+    greedy = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=1)
+    first = plain.chat.completions.create(**greedy).choices[0].message.content
+    (token_id,) = ModelTokenizer(str(tools_dir)).text.encode(first, add_special_tokens=False)
+    keep = {"stop_token_ids": [token_id], "skip_special_tokens": False}
+    reply = plain.chat.completions.create(**dict(greedy, max_tokens=4), extra_body=keep)
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 1
+    assert reply.choices[0].message.content == ""  # as vLLM: the stop token is not text
