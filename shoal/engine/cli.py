@@ -88,6 +88,20 @@ ENGINE = FlagGroup(
             metavar="N",
             shown_default="1",
         ),
+        Flag(
+            "kv-offload-cpu-gb",
+            "host-memory KV tier size in GiB: evicted prefixes are reloaded, not recomputed "
+            "(see kv-offload.md)",
+            float,
+            shown_default="off",
+        ),
+        Flag(
+            "kv-offload-disk-path",
+            "folder of the disk KV tier under the host tier (its block files are deleted at start)",
+            metavar="DIR",
+            shown_default="off",
+        ),
+        Flag("kv-offload-disk-gb", "disk KV tier size in GiB", float, shown_default="off"),
     ),
     about="The engine's options: every command that runs an engine takes them (`shoal "
     "serve` passes them to its workers). Unset ones are left to the engine's defaults.",

@@ -26,10 +26,19 @@ class EngineConfig:
     # schedule step N+1 while the device runs step N; default: on with CUDA, off on CPU
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
+    # lower KV tiers (docs/kv-offload.md): host memory, then a local disk folder under it
+    kv_offload_cpu_gb: float | None = None
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_gb: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
+            (
+                self.tensor_parallel_size == 1 or not self.kv_offload_cpu_gb,
+                "kv_offload_cpu_gb",
+                "is not supported with tensor_parallel_size > 1 yet",
+            ),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1"),
             (self.block_size >= 1, "block_size", "must be at least 1"),
@@ -47,6 +56,31 @@ class EngineConfig:
                 self.max_model_len is None or self.max_model_len >= 1,
                 "max_model_len",
                 "must be at least 1",
+            ),
+            (
+                self.kv_offload_cpu_gb is None or self.kv_offload_cpu_gb >= 0,
+                "kv_offload_cpu_gb",
+                "must be >= 0",
+            ),
+            (
+                self.kv_offload_disk_gb is None or self.kv_offload_disk_gb >= 0,
+                "kv_offload_disk_gb",
+                "must be >= 0",
+            ),
+            (
+                (self.kv_offload_disk_path is None) == (not self.kv_offload_disk_gb),
+                "kv_offload_disk_gb",
+                "must be set, and only set, with kv_offload_disk_path",
+            ),
+            (
+                self.kv_offload_disk_path is None or bool(self.kv_offload_cpu_gb),
+                "kv_offload_disk_path",
+                "needs the host tier (kv_offload_cpu_gb): the disk takes what it evicts",
+            ),
+            (
+                not self.kv_offload_cpu_gb or self.enable_prefix_caching,
+                "kv_offload_cpu_gb",
+                "needs enable_prefix_caching",
             ),
         ]
         for ok, name, message in checks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -10,6 +11,9 @@ from shoal.engine.block_pool import BlockPool, KVBlock
 from shoal.engine.block_table import BlockTable
 from shoal.engine.request import Request
 from shoal.protocol import KVEvent
+
+if TYPE_CHECKING:
+    from shoal.engine.kv_offload import OffloadManager
 
 
 @dataclass
@@ -34,6 +38,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request in the cache
         self.pinned: dict[str, list[KVBlock]] = {}  # blocks kept for a remote decode, by request
         self.stats = PrefixCacheStats()
+        self.offload: OffloadManager | None = None  # lower tiers, fed by cache_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,13 +111,16 @@ class KVCacheManager:
             return
         hashes = request.update_block_hashes(self.block_size)
         size = self.block_size
-        self.pool.cache_full_blocks(
+        args = (
             self.req_blocks[rid][done:full],
             hashes[done:full],
             hashes[done - 1] if done else None,
             request.all_token_ids[done * size : full * size],
             request.lora_id,
         )
+        self.pool.cache_full_blocks(*args)
+        if self.offload is not None:
+            self.offload.stored(*args)
         self.num_cached_blocks[rid] = full
 
     def free(self, request: Request) -> None:
@@ -162,7 +170,15 @@ class KVCacheManager:
         return np.fromiter((rows[r.request_id] for r in requests), np.intp, len(requests))
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached block, the lower tiers' too; False while blocks are in use
+        or copies to or from the lower tiers are in flight."""
+        if self.offload is not None and self.offload.busy:
+            return False
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.clear()
+        return True
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()

@@ -13,6 +13,7 @@ import torch
 
 from shoal.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.kv_offload import OffloadConfig, OffloadManager, admit
 from shoal.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
 from shoal.engine.parallel.executor import Followers, RankDiedError
 from shoal.engine.request import Request, RequestStatus
@@ -81,6 +82,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+        self._attach_offload()
         log.info(
             "engine ready in %.2fs (weights %.2fs, graphs %.2fs): %s on %s, "
             "%d KV blocks of %d tokens = %d tokens of KV cache",
@@ -143,6 +145,29 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks, if any (the engine cannot step after)."""
         if getattr(self, "followers", None) is not None:
             self.followers.close()
+
+    def _attach_offload(self) -> None:
+        """The lower KV tiers under the runner's cache (docs/kv-offload.md), if configured."""
+        config = self.config
+        if not config.kv_offload_cpu_gb:
+            return
+        caches = self.runner.kv_caches
+        shape = (len(caches), caches[0].shape[0], *caches[0].shape[2:])
+        tiers = OffloadConfig(
+            int(config.kv_offload_cpu_gb * 2**30),
+            config.kv_offload_disk_path,
+            int((config.kv_offload_disk_gb or 0) * 2**30),
+        )
+        pin = self.device.type == "cuda"
+        self.kv.offload = OffloadManager(tiers, self.kv, shape, caches[0].dtype, pin)
+        self.kv.offload.bind(caches)
+        log.info(
+            "KV offload: host tier %d blocks%s",
+            self.kv.offload.host.capacity,
+            f", disk tier {self.kv.offload.disk.capacity} blocks in {tiers.disk_path}"
+            if self.kv.offload.disk is not None
+            else "",
+        )
 
     def _init_config(self, config: EngineConfig, device: torch.device) -> None:
         """The model's folder and config, the device, context length and EOS ids."""
@@ -365,8 +390,11 @@ class LLMEngine:
                 seq.status = RequestStatus.FINISHED  # not queued yet: it holds nothing
             if all(s.is_finished for s in seqs):
                 self._compiling = [c for c in self._compiling if c[1] is not seqs]
+        offload = self.kv.offload
         for seq in stopped:
             seq.finish_reason = seq.finish_reason or "abort"
+            if offload is not None and offload.cancel(seq):
+                seq.status = RequestStatus.FINISHED  # its blocks go when their copy is done
             for i, item in enumerate(self._injecting):
                 if item[0] is seq:
                     del self._injecting[i]
@@ -377,7 +405,8 @@ class LLMEngine:
             del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or self._in_flight is not None
+        busy_tiers = self.kv.offload is not None and self.kv.offload.busy
+        return bool(self.requests) or self._in_flight is not None or busy_tiers
 
     # ---- the step
 
@@ -401,6 +430,9 @@ class LLMEngine:
             self._admit_injected()
         if self._compiling:
             outputs += self._admit_compiled()
+        offload = self.kv.offload
+        if offload is not None:
+            admit(offload, self.scheduler, self.config.max_num_seqs)
         sched = self.scheduler.schedule()
         launched = self._launch(sched) if sched.requests else None
         if self._in_flight is not None:
@@ -409,6 +441,8 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)
             self._in_flight = None
+        if offload is not None:
+            offload.flush()
         return outputs
 
     def _launch(self, sched: SchedulerOutput) -> _Step:

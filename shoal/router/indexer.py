@@ -11,8 +11,11 @@ flat map from hash to the set of workers holding it, with no tree to walk. Those
 interned: every block held by exactly the same workers shares one set object, so a block
 costs one pointer however many workers hold it, and a lookup walking a prompt's blocks
 moves on in O(1) while the holders stay the same object, intersecting sets only where they
-change. Only blocks in GPU memory are indexed; events about other tiers (`medium` CPU,
-disk) are ignored.
+change. Blocks in GPU memory are indexed here; blocks in a worker's lower tiers (events
+with `medium` CPU or DISK, shoal.engine.kv_offload) go to a second index of the same kind,
+`lower`, and tiered_overlaps says how far a prompt's prefix reaches through GPU and lower
+tiers together. A stored block's parent is looked up in both (a block offloaded to the host
+may be the child of one only the GPU holds, and the other way round).
 """
 
 from __future__ import annotations
@@ -66,10 +69,16 @@ class _Held:
 class KvIndexer:
     """Router block hash -> workers holding it, and per worker its blocks, from KV events."""
 
-    def __init__(self) -> None:
+    def __init__(self, lower_tiers: bool = True) -> None:
+        """lower_tiers: also index the blocks workers hold in host memory or on disk."""
         self._holders: dict[int, _Holders] = {}
         self._sets: dict[frozenset[str], _Holders] = {}
         self._held: dict[str, _Held] = {}
+        self.lower: KvIndexer | None = KvIndexer(lower_tiers=False) if lower_tiers else None
+        self._peer: KvIndexer | None = None  # the other tier's index, for parent lookups
+        if self.lower is not None:
+            self.lower._peer = self
+            self._peer = self.lower
 
     def apply(self, worker_id: str, event: KVEvent) -> None:
         """Apply one KV event published by `worker_id`."""
@@ -77,9 +86,13 @@ class KvIndexer:
             case BlockStored():
                 if event.medium in _INDEXED_MEDIA:
                     self._apply_stored(worker_id, event)
+                elif self.lower is not None:
+                    self.lower._apply_stored(worker_id, event)
             case BlockRemoved(block_hashes=hashes, medium=medium):
                 if medium in _INDEXED_MEDIA:
                     self.remove(worker_id, hashes)
+                elif self.lower is not None:
+                    self.lower.remove(worker_id, hashes)
             case AllBlocksCleared():
                 self.clear(worker_id)
             case _:
@@ -96,6 +109,9 @@ class KvIndexer:
             router_parent = None
         else:
             router_parent = held.router_of.get(parent)
+            if router_parent is None and self._peer is not None:
+                peer = self._peer._held.get(worker_id)
+                router_parent = None if peer is None else peer.router_of.get(parent)
             if router_parent is None:
                 log.debug("worker %s: stored blocks after an unknown parent: skipped", worker_id)
                 return
@@ -150,6 +166,8 @@ class KvIndexer:
         """Forget every block of `worker_id`, keeping the worker known (with no blocks)."""
         self.remove_worker(worker_id)
         self._held[worker_id] = _Held()
+        if self.lower is not None:
+            self.lower.clear(worker_id)
 
     def load_dump(self, worker_id: str, block_hashes: Iterable[int]) -> None:
         """Replace all that is known of `worker_id` with exactly these blocks (a resync).
@@ -164,6 +182,8 @@ class KvIndexer:
         if held is not None:
             for h in held.count:
                 self._drop_holder(h, worker_id)
+        if self.lower is not None:
+            self.lower.remove_worker(worker_id)
 
     def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading blocks of this chained-hash sequence it holds.
@@ -198,6 +218,28 @@ class KvIndexer:
                 current = self._sets.get(survivors, _UNSHARED)
         for worker_id in candidates:
             result[worker_id] = len(block_hashes)
+        return result
+
+    def tiered_overlaps(self, block_hashes: Sequence[int], gpu: dict[str, int]) -> dict[str, int]:
+        """Per worker whose lower tiers hold more of this prefix, how many leading blocks
+        it holds in any tier (GPU or lower); `gpu` is overlaps(block_hashes). Workers whose
+        lower tiers add nothing are left out. O(workers with hits x blocks walked past
+        the longer of their two single-tier overlaps)."""
+        lower = self.lower
+        if lower is None or not lower._holders:
+            return {}
+        deep = lower.overlaps(block_hashes)
+        result: dict[str, int] = {}
+        for worker_id in deep.keys() | gpu.keys():
+            on_gpu = gpu.get(worker_id, 0)
+            depth = max(on_gpu, deep.get(worker_id, 0))
+            mine, below = self.blocks(worker_id), lower.blocks(worker_id)
+            while depth < len(block_hashes) and (
+                block_hashes[depth] in mine or block_hashes[depth] in below
+            ):
+                depth += 1
+            if depth > on_gpu:
+                result[worker_id] = depth
         return result
 
     def blocks(self, worker_id: str) -> Set[int]:

@@ -11,6 +11,10 @@ that arrive meanwhile, then applies those numbered after the dump.
 Without KV events (`use_kv_events=False`) the index is approximate: it remembers where the
 router itself sent each prefix, within each worker's KV capacity (shoal.router.approx).
 
+Blocks a worker holds in a lower tier (host memory, disk: KV events with `medium` CPU or
+DISK) count as cached at `lower_tier_credit` of a GPU hit: the worker copies them back
+instead of prefilling them, which costs less than a prefill and more than nothing.
+
 With `replica_sync` (the default) the router shares the load it adds to each worker with
 the other router replicas routing to the same workers, and counts theirs
 (shoal.router.replica_sync), so several frontends route as one would.
@@ -55,6 +59,11 @@ from shoal.runtime.event_plane import EventSubscriber
 log = logging.getLogger(__name__)
 
 RESYNC_RETRY = 0.5  # seconds between attempts to fetch a dump from a worker
+# What a block in a worker's host or disk tier saves, as a fraction of a GPU-resident one.
+# On an H100 with Llama-3.1-8B a 16-token block (2 MiB of KV) comes back from pinned host
+# memory in ~0.1 ms against ~0.37 ms to prefill it, but it takes GPU memory as a prefilled
+# block does and a disk read is slower: 0.75 sits between a GPU hit (1) and a miss (0).
+LOWER_TIER_CREDIT = 0.75
 
 
 class _Feed:
@@ -92,7 +101,11 @@ class KvRouter(Policy):
         replica_sync: bool = True,
         sync_host: str = "127.0.0.1",
         sync_advertise_host: str | None = None,
+        lower_tier_credit: float = LOWER_TIER_CREDIT,
     ) -> None:
+        if not 0.0 <= lower_tier_credit <= 1.0:
+            raise ValueError(f"lower_tier_credit must be in [0, 1] (got {lower_tier_credit!r})")
+        self.lower_tier_credit = lower_tier_credit
         self.runtime = runtime
         self.config = config or KvRouterConfig()
         self.use_kv_events = use_kv_events
@@ -198,12 +211,18 @@ class KvRouter(Policy):
             self.metrics.busy_rejections.inc()
             raise AllWorkersBusy(f"all {len(by_id)} workers are over the busy threshold")
         overlaps = self.indexer.overlaps(hashes)
+        deeper = self._lower_tier_overlaps(hashes, overlaps)
         prompt_blocks = math.ceil(len(prompt) / block_size)
         worker = select_worker(
-            candidates, prompt_blocks, overlaps, self.load, self.config, self._rng
+            candidates,
+            prompt_blocks,
+            self._priced(overlaps, deeper),
+            self.load,
+            self.config,
+            self._rng,
         )
         cached = overlaps.get(worker, 0)
-        new_tokens = len(prompt) - cached * block_size
+        new_tokens = len(prompt) - deeper.get(worker, cached) * block_size
         self.load.add(request.request_id, worker, prompt_blocks - cached, new_tokens)
         if self.share is not None:
             self.share(
@@ -226,6 +245,24 @@ class KvRouter(Policy):
         m.hash_seconds.observe(t1 - t0)
         m.select_seconds.observe(t2 - t1)
         return by_id[worker]
+
+    def _lower_tier_overlaps(self, hashes: list[int], overlaps: dict[str, int]) -> dict[str, int]:
+        """Per worker whose lower tiers extend its GPU prefix hit, its prefix in all tiers."""
+        if not self.lower_tier_credit or not isinstance(self.indexer, KvIndexer):
+            return {}
+        return self.indexer.tiered_overlaps(hashes, overlaps)
+
+    def _priced(self, overlaps: dict[str, int], deeper: dict[str, int]) -> dict[str, float]:
+        """Cached blocks as the cost counts them: GPU hits whole, lower-tier hits at the
+        lower-tier credit."""
+        if not deeper:
+            return overlaps
+        priced: dict[str, float] = dict(overlaps)
+        credit = self.lower_tier_credit
+        for worker, depth in deeper.items():
+            gpu = overlaps.get(worker, 0)
+            priced[worker] = gpu + credit * (depth - gpu)
+        return priced
 
     def watch_load(self, callback: Callable[[], None]) -> None:
         self.load.watch(callback)

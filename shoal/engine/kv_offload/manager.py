@@ -1,0 +1,257 @@
+"""OffloadManager: the lower KV tiers (host memory, then local disk) under the GPU pool.
+
+Save on store: each block entered into the prefix cache is queued, with a reference on its
+GPU block so the pool cannot hand it out before it is copied, and once per engine step
+(after the step's outputs are made) the queue goes to the host tier in one batch of
+copies. A block whose content a lower tier already holds is not copied again. The host
+tier evicts least recently used blocks for room; with a disk tier they are written there
+(in a background thread), else dropped. Each tier keeps its own LRU order and capacity.
+
+Onboarding at admission is shoal.engine.kv_offload.onboard. Every change of a tier is a
+KV event in the pool's event list, with `medium` CPU or DISK.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shoal.engine.block_pool import KVBlock
+from shoal.engine.kv_offload.copier import BlockCopier, Job
+from shoal.engine.kv_offload.disk import DiskTier
+from shoal.engine.kv_offload.host import BlockMeta, HostEntry, HostTier
+from shoal.engine.kv_offload.stats import MEDIUM_CPU, MEDIUM_DISK, TierStats
+from shoal.protocol import BlockRemoved, BlockStored
+
+if TYPE_CHECKING:
+    from shoal.engine.kv_cache_manager import KVCacheManager
+    from shoal.engine.kv_offload.onboard import Onboarding
+    from shoal.engine.request import Request
+
+
+@dataclass
+class OffloadConfig:
+    cpu_bytes: int  # host tier size
+    disk_path: str | None = None  # disk tier folder (its block files are deleted at start)
+    disk_bytes: int = 0
+
+
+class OffloadManager:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        kv: KVCacheManager,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        pin_memory: bool,
+    ) -> None:
+        """block_shape: one block's KV in the host tier, [layers, 2, block_size, heads, dim]."""
+        self.kv = kv
+        self.pool = kv.pool
+        self.block_bytes = dtype.itemsize * int(torch.Size(block_shape).numel())
+        self.stats = {MEDIUM_CPU: TierStats(), MEDIUM_DISK: TierStats()}
+        self.host = HostTier(config.cpu_bytes // self.block_bytes, block_shape, dtype, pin_memory)
+        self.disk = None
+        if config.disk_path is not None:
+            self.disk = DiskTier(
+                config.disk_path,
+                config.disk_bytes // self.block_bytes,
+                block_shape,
+                dtype,
+                self.stats[MEDIUM_DISK],
+            )
+        self.copier: BlockCopier | None = None
+        self.queue: list[tuple[KVBlock, BlockMeta]] = []  # stored, not yet being saved
+        self.saves: deque[tuple[Job, list[KVBlock], list[HostEntry]]] = deque()
+        self.loads: list[Onboarding] = []  # requests waiting for their blocks to arrive
+
+    def bind(self, kv_caches: list[torch.Tensor]) -> None:
+        """Copy blocks to and from these per-layer caches (the model runner's)."""
+        self.copier = BlockCopier(kv_caches)
+
+    @property
+    def queue_depth(self) -> int:
+        """Blocks waiting to be saved or being saved."""
+        return len(self.queue) + sum(len(blocks) for _, blocks, _ in self.saves)
+
+    @property
+    def busy(self) -> bool:
+        """Copies queued or in flight (the engine steps until they are done)."""
+        return bool(self.queue or self.saves or self.loads)
+
+    # ---- saving
+
+    def stored(
+        self,
+        blocks: list[KVBlock],
+        hashes: list[int],
+        parent: int | None,
+        token_ids: list[int],
+        lora_id: int | None,
+    ) -> None:
+        """Queue the blocks just entered into the prefix cache (cache_full_blocks' arguments)
+        for the host tier; those holding content cached elsewhere were not entered."""
+        size = self.pool.block_size
+        for i, (block, h) in enumerate(zip(blocks, hashes, strict=True)):
+            if block.block_hash != h or block.ref_cnt == 0:
+                continue
+            if h in self.host:
+                self.host.touch(h)
+                continue
+            if self.disk is not None and h in self.disk:
+                self.disk.touch(h)
+                continue
+            meta = BlockMeta(
+                h, hashes[i - 1] if i else parent, token_ids[i * size : (i + 1) * size], lora_id
+            )
+            self.pool.touch([block])
+            self.queue.append((block, meta))
+
+    def flush(self) -> None:
+        """Start copying the queued blocks to the host tier (one batch)."""
+        if not self.queue:
+            return
+        queue, self.queue = self.queue, []
+        blocks: list[KVBlock] = []
+        entries: list[HostEntry] = []
+        for block, meta in queue:
+            entry, evicted = self.host.reserve(meta)
+            self._evicted_from_host(evicted)
+            if entry is None:
+                self.pool.free([block])  # every host slot busy: this block is not kept
+                continue
+            blocks.append(block)
+            entries.append(entry)
+        if blocks:
+            slots = [e.slot for e in entries]
+            job = self.copier.save([b.block_id for b in blocks], self.host.buffer, slots)
+            self.saves.append((job, blocks, entries))
+        self.poll()
+
+    def poll(self) -> None:
+        """Finish the saves that are done; let go of the KV of blocks written to disk."""
+        stats = self.stats[MEDIUM_CPU]
+        while self.saves and self.saves[0][0].done():
+            job, blocks, entries = self.saves.popleft()
+            for entry in entries:
+                entry.ready = True
+            self.pool.free(blocks)
+            stats.stored += len(entries)
+            stats.bytes_written += len(entries) * self.block_bytes
+            stats.write_seconds += job.seconds
+            self._announce([e.meta for e in entries], MEDIUM_CPU)
+        if self.disk is not None:
+            self.disk.reap()
+
+    def _evicted_from_host(self, evicted: list[HostEntry]) -> None:
+        """Move blocks the host tier evicted down to disk (or lose them without one)."""
+        if not evicted:
+            return
+        self.stats[MEDIUM_CPU].evicted += len(evicted)
+        self._removed([e.meta.block_hash for e in evicted], MEDIUM_CPU)
+        if self.disk is None:
+            return
+        for entry in evicted:
+            lost = self.disk.put(entry.meta, self.host.buffer[entry.slot].clone())
+            if lost:
+                self.stats[MEDIUM_DISK].evicted += len(lost)
+                self._removed([m.block_hash for m in lost], MEDIUM_DISK)
+            self.stats[MEDIUM_DISK].stored += 1
+            self._announce([entry.meta], MEDIUM_DISK)
+
+    # ---- lookups for onboarding
+
+    def find(self, block_hashes: list[int]) -> list[str]:
+        """The tier (CPU or DISK) of each leading block of these hashes a lower tier holds."""
+        media = []
+        for h in block_hashes:
+            entry = self.host.entries.get(h)
+            if entry is not None and entry.ready:
+                media.append(MEDIUM_CPU)
+            elif self.disk is not None and h in self.disk:
+                media.append(MEDIUM_DISK)
+            else:
+                break
+        return media
+
+    def read(
+        self, block_hashes: list[int], media: list[str]
+    ) -> tuple[list[torch.Tensor], list[HostEntry]]:
+        """Each block's KV on the host, stopping at the first that cannot be read; the host
+        entries among them are pinned (unpin once copied)."""
+        sources: list[torch.Tensor] = []
+        entries: list[HostEntry] = []
+        for h, medium in zip(block_hashes, media, strict=True):
+            stats = self.stats[medium]
+            if medium == MEDIUM_CPU:
+                entry = self.host.get(h)
+                entry.pins += 1
+                entries.append(entry)
+                sources.append(self.host.buffer[entry.slot])
+            else:
+                t0 = time.perf_counter()
+                data = self.disk.read(h)
+                if data is None:
+                    stats.misses += 1
+                    self._removed([h], MEDIUM_DISK)
+                    break
+                stats.read_seconds += time.perf_counter() - t0
+                sources.append(data)
+            stats.hits += 1
+            stats.bytes_read += self.block_bytes
+        return sources, entries
+
+    def cancel(self, request: Request) -> bool:
+        """Abort a request whose blocks are being onboarded (its blocks are freed once the
+        copy is done); False if it is not onboarding."""
+        for load in self.loads:
+            if load.request is request:
+                load.cancelled = True
+                return True
+        return False
+
+    def clear(self) -> bool:
+        """Forget every block of the lower tiers (with the prefix cache); False while
+        copies are in flight."""
+        if self.busy:
+            return False
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+        return True
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    # ---- KV events
+
+    def _announce(self, metas: list[BlockMeta], medium: str) -> None:
+        """BlockStored events for these blocks, one per chained run."""
+        run: list[BlockMeta] = []
+        for meta in metas:
+            if run and meta.parent != run[-1].block_hash:
+                self._stored_event(run, medium)
+                run = []
+            run.append(meta)
+        if run:
+            self._stored_event(run, medium)
+
+    def _stored_event(self, run: list[BlockMeta], medium: str) -> None:
+        self.pool.events.append(
+            BlockStored(
+                block_hashes=[m.block_hash for m in run],
+                parent_block_hash=run[0].parent,
+                token_ids=[t for m in run for t in m.token_ids],
+                block_size=self.pool.block_size,
+                lora_id=run[0].lora_id,
+                medium=medium,
+            )
+        )
+
+    def _removed(self, block_hashes: list[int], medium: str) -> None:
+        self.pool.events.append(BlockRemoved(block_hashes=block_hashes, medium=medium))

@@ -1,0 +1,122 @@
+"""Onboarding: a waiting request's prefix continues from the GPU prefix cache into the
+lower tiers; the blocks found there are copied into freshly allocated GPU blocks before it
+is scheduled, and it prefills only the rest.
+
+Each step, before scheduling, the requests next in line (as many as could join the batch)
+are looked up. One with lower-tier hits takes its GPU hits and new blocks for the tier
+hits, leaves the waiting queue while the copy runs (the request waits, the batch does
+not), and returns to the head of the queue with those tokens computed and entered into
+the prefix cache. With CUDA the copy runs on a side stream and is polled; on the CPU it
+is a memory copy (a disk read first for blocks on disk) in the engine thread, done at
+once, so the request is back in the queue in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import TYPE_CHECKING
+
+from shoal.engine.kv_offload.copier import Job
+from shoal.engine.kv_offload.host import HostEntry
+from shoal.engine.kv_offload.stats import MEDIUM_CPU
+
+if TYPE_CHECKING:
+    from shoal.engine.kv_offload.manager import OffloadManager
+    from shoal.engine.request import Request
+    from shoal.engine.scheduler import Scheduler
+
+
+@dataclass(eq=False)
+class Onboarding:
+    """A request whose lower-tier blocks are being copied in."""
+
+    request: Request
+    job: Job
+    num_tokens: int  # its tokens computed once the copy is done
+    entries: list[HostEntry] = field(default_factory=list)  # host slots the copy reads
+    cancelled: bool = False
+
+
+def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> None:
+    """Finish the onboardings that are done, then start those of the requests next in line."""
+    if manager.loads and not scheduler.num_unfinished:
+        manager.loads[0].job.wait()  # nothing else to run: no point spinning
+    finish(manager, scheduler)
+    room = max_num_seqs - len(scheduler.running) - len(manager.loads)
+    if room <= 0 or not scheduler.waiting:
+        return
+    started = []
+    for request in islice(scheduler.waiting, room):
+        if _eligible(manager, request):
+            load = _start(manager, request)
+            if load is not None:
+                started.append(load)
+    for load in started:
+        scheduler.waiting.remove(load.request)
+    manager.loads += started
+    finish(manager, scheduler)
+
+
+def finish(manager: OffloadManager, scheduler: Scheduler) -> None:
+    """Requeue (at the head, in order) the requests whose blocks have arrived."""
+    ready = [load.job.done() for load in manager.loads]
+    if not any(ready):
+        return
+    done = [load for load, r in zip(manager.loads, ready, strict=True) if r]
+    manager.loads = [load for load, r in zip(manager.loads, ready, strict=True) if not r]
+    kv = manager.kv
+    stats = manager.stats[MEDIUM_CPU]
+    for load in reversed(done):
+        for entry in load.entries:
+            entry.pins -= 1
+        stats.read_seconds += load.job.seconds
+        request = load.request
+        if load.cancelled:
+            kv.free(request)
+            continue
+        request.num_computed_tokens = load.num_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = load.num_tokens
+        kv.cache_blocks(request)
+        scheduler.waiting.appendleft(request)
+
+
+def _eligible(manager: OffloadManager, request: Request) -> bool:
+    """A request that would look up the prefix cache when admitted and holds no blocks."""
+    leader = request.leader
+    return (
+        request.num_computed_tokens == 0
+        and request.request_id not in manager.kv.req_blocks
+        and not request.wants_prompt_logprobs
+        and (leader is None or leader.is_finished)
+    )
+
+
+def _start(manager: OffloadManager, request: Request) -> Onboarding | None:
+    """Allocate the request's GPU hits and blocks for its lower-tier hits and start the
+    copy; None when the tiers hold nothing more or the pool lacks room for its prompt."""
+    kv = manager.kv
+    size = kv.block_size
+    hashes = request.update_block_hashes(size)
+    limit = (request.num_tokens - 1) // size  # a token is left to compute, for logits
+    gpu = kv.num_cached_prefix_blocks(hashes[:limit])
+    media = manager.find(hashes[gpu:limit])
+    if not media:
+        return None
+    hits = [kv.pool.lookup(h) for h in hashes[:gpu]]
+    reclaimable = sum(1 for b in hits if b.ref_cnt == 0)
+    if kv.blocks_needed(request.num_tokens) - gpu > kv.pool.num_free - reclaimable:
+        return None
+    sources, entries = manager.read(hashes[gpu : gpu + len(media)], media)
+    if not sources:
+        return None
+    kv.stats.queries += request.num_tokens
+    kv.stats.hits += gpu * size
+    if hits:
+        kv.allocate_slots(request, 0, hits)
+    request.num_computed_tokens = gpu * size
+    kv.allocate_slots(request, len(sources) * size)
+    block_ids = kv.block_ids(request)[gpu : gpu + len(sources)]
+    job = manager.copier.load(sources, block_ids)
+    return Onboarding(request, job, (gpu + len(sources)) * size, entries)

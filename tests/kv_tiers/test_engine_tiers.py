@@ -1,0 +1,159 @@
+"""The engine's lower KV tiers end to end on the tiny Llama: a conversation evicted from a
+small GPU pool comes back from host memory or disk with the big pool's greedy output."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers import (
+    BLOCK,
+    FILLER,
+    TURN_TOKENS,
+    assert_tiers_settled,
+    conversation,
+    engine,
+    gib,
+)
+
+from shoal.engine.kv_offload import MEDIUM_CPU, MEDIUM_DISK
+from shoal.kv_hash import hash_blocks
+from shoal.protocol import BlockRemoved, BlockStored
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Replies with a pool that never evicts, and what a small pool alone caches."""
+    big = engine(llama_dir, num_gpu_blocks=256)
+    replies, big_cached = conversation(big)
+    _, small_cached = conversation(engine(llama_dir))
+    return replies, big_cached, small_cached
+
+
+def test_host_tier_serves_evicted_turns_with_identical_output(llama_dir, reference):
+    replies, big_cached, small_cached = reference
+    assert small_cached[1:] == [0, 0, 0]  # without a lower tier the history is recomputed
+    llm = engine(llama_dir, kv_offload_cpu_gb=gib(200))
+    got, cached = conversation(llm)
+    assert got == replies
+    # each later turn found its whole history (full blocks) cached, as the big pool did
+    assert cached == big_cached and all(c >= TURN_TOKENS for c in cached[1:])
+    stats = llm.engine.kv.offload.stats[MEDIUM_CPU]
+    # and it came from the host tier, not the GPU pool: the GPU prefix hits were none
+    assert stats.hits * BLOCK == sum(cached)
+    assert stats.bytes_read == stats.hits * llm.engine.kv.offload.block_bytes
+    assert stats.stored > 0 and stats.bytes_written > 0
+    assert_tiers_settled(llm)
+
+
+def test_disk_tier_takes_what_the_host_evicts(llama_dir, reference, tmp_path):
+    replies, big_cached, _ = reference
+    llm = engine(
+        llama_dir,
+        kv_offload_cpu_gb=gib(4),
+        kv_offload_disk_path=str(tmp_path),
+        kv_offload_disk_gb=gib(200),
+    )
+    got, cached = conversation(llm)
+    assert got == replies and cached == big_cached
+    offload = llm.engine.kv.offload
+    disk = offload.stats[MEDIUM_DISK]
+    assert disk.hits > 0 and disk.stored > 0 and disk.misses == 0
+    assert disk.hits + offload.stats[MEDIUM_CPU].hits == sum(cached) // BLOCK
+    assert_tiers_settled(llm)
+    _wait_written(offload.disk)
+    assert len(list(tmp_path.glob("*.kvblock"))) == len(offload.disk)
+
+
+def _wait_written(disk, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while disk.pending:
+        assert time.monotonic() < deadline, "disk writes did not finish"
+        time.sleep(0.01)
+        disk.reap()
+
+
+def test_corrupt_or_missing_disk_blocks_are_misses(llama_dir, reference, tmp_path):
+    replies, _, _ = reference
+    llm = engine(
+        llama_dir,
+        kv_offload_cpu_gb=gib(2),
+        kv_offload_disk_path=str(tmp_path),
+        kv_offload_disk_gb=gib(200),
+    )
+    disk = llm.engine.kv.offload.disk
+    damaged = []
+
+    def damage(turn: int) -> None:
+        _wait_written(disk)
+        files = [f for f in map(disk.file, disk.entries) if f.exists()]
+        if turn == 0:  # flip a payload byte of every block file: all are corrupt
+            for f in files:
+                raw = bytearray(f.read_bytes())
+                raw[-1] ^= 0xFF
+                f.write_bytes(bytes(raw))
+        elif turn == 1:  # delete them
+            for f in files:
+                f.unlink()
+        elif turn == 2:  # truncate them
+            for f in files:
+                f.write_bytes(f.read_bytes()[:10])
+        damaged.append(len(files))
+
+    got, _ = conversation(llm, between=damage)
+    assert got == replies
+    stats = llm.engine.kv.offload.stats[MEDIUM_DISK]
+    assert all(damaged[:3]) and stats.misses == 3  # one miss a turn ends each lookup
+    assert stats.hits == 0
+    assert_tiers_settled(llm)
+
+
+def test_capacity_lru_and_move_down_per_tier(llama_dir, tmp_path):
+    """Prompts A..E of two full blocks each: the host tier (4 blocks) keeps the last two,
+    evicting least recently used first to the disk tier (2 blocks), which drops its own
+    least recently used; a lookup refreshes a block's place."""
+    llm = engine(
+        llama_dir,
+        num_gpu_blocks=64,
+        kv_offload_cpu_gb=gib(4),
+        kv_offload_disk_path=str(tmp_path),
+        kv_offload_disk_gb=gib(2),
+    )
+    offload = llm.engine.kv.offload
+    assert (offload.host.capacity, offload.disk.capacity) == (4, 2)
+    prompts = {name: [5 + i] * (2 * BLOCK + 1) for i, name in enumerate("ABCDE")}
+    for prompt in prompts.values():
+        llm.generate([prompt], FILLER)
+    hashes = {name: hash_blocks(p, BLOCK)[:2] for name, p in prompts.items()}
+    assert list(offload.host.entries) == hashes["D"] + hashes["E"]
+    assert list(offload.disk.entries) == hashes["C"]
+    events = llm.engine.take_kv_events()
+    stored = {
+        m: [
+            h
+            for e in events
+            if isinstance(e, BlockStored) and e.medium == m
+            for h in e.block_hashes
+        ]
+        for m in (MEDIUM_CPU, MEDIUM_DISK)
+    }
+    removed = {
+        m: [
+            h
+            for e in events
+            if isinstance(e, BlockRemoved) and e.medium == m
+            for h in e.block_hashes
+        ]
+        for m in (MEDIUM_CPU, MEDIUM_DISK)
+    }
+    assert stored[MEDIUM_CPU] == [h for n in "ABCDE" for h in hashes[n]]
+    assert removed[MEDIUM_CPU] == [h for n in "ABC" for h in hashes[n]]
+    assert stored[MEDIUM_DISK] == [h for n in "ABC" for h in hashes[n]]
+    assert removed[MEDIUM_DISK] == [h for n in "AB" for h in hashes[n]]
+    # D is looked up (refreshed in the host tier), so F's blocks push E out, not D
+    offload.host.get(hashes["D"][0])
+    offload.host.get(hashes["D"][1])
+    llm.generate([[99] * (2 * BLOCK + 1)], FILLER)
+    assert list(offload.host.entries)[:2] == hashes["D"]
+    assert list(offload.disk.entries) == hashes["E"]
+    assert_tiers_settled(llm)
