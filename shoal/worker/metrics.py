@@ -41,6 +41,7 @@ class WorkerMetrics:
         )
         self.preemptions = counter("shoal_worker_preemptions", "requests preempted")
         self._seen = (0, 0, 0)
+        self.tiers = TierMetrics(model, self.registry)
         self._server: ThreadingHTTPServer | None = None
 
     def update(self, engine: LLMEngine) -> None:
@@ -56,6 +57,8 @@ class WorkerMetrics:
         self.prefix_hits.inc(now[1] - self._seen[1])
         self.preemptions.inc(now[2] - self._seen[2])
         self._seen = now
+        if engine.kv.offload is not None:
+            self.tiers.update(engine.kv.offload)
 
     def serve(
         self, port: int, host: str = "127.0.0.1", healthy: Callable[[], bool] = lambda: True
@@ -99,6 +102,61 @@ class WorkerMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class TierMetrics:
+    """The lower KV tiers' counters (shoal.engine.kv_offload), labelled by tier (CPU, DISK)."""
+
+    _COUNTERS = (  # TierStats field -> metric, help, direction label (None: none)
+        ("hits", "shoal_worker_kv_offload_hits", "KV blocks onboarded from the tier", None),
+        ("misses", "shoal_worker_kv_offload_misses", "tier blocks unreadable (recomputed)", None),
+        ("stored", "shoal_worker_kv_offload_stored", "KV blocks written to the tier", None),
+        ("evicted", "shoal_worker_kv_offload_evicted", "KV blocks evicted from the tier", None),
+        ("bytes_read", "shoal_worker_kv_offload_bytes", "bytes moved", "read"),
+        ("bytes_written", "shoal_worker_kv_offload_bytes", "bytes moved", "write"),
+        ("read_seconds", "shoal_worker_kv_offload_seconds", "seconds moving bytes", "read"),
+        ("write_seconds", "shoal_worker_kv_offload_seconds", "seconds moving bytes", "write"),
+    )
+
+    def __init__(self, model: str, registry: CollectorRegistry) -> None:
+        made: dict[str, Counter] = {}
+        self._counters = []
+        for field, name, text, direction in self._COUNTERS:
+            labels = ["model", "tier"] + (["direction"] if direction else [])
+            if name not in made:
+                made[name] = Counter(name, text, labels, registry=registry)
+            self._counters.append((field, made[name], direction))
+        self._model = model
+        self.blocks = Gauge(
+            "shoal_worker_kv_offload_blocks",
+            "KV blocks held by the tier",
+            ["model", "tier"],
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "shoal_worker_kv_offload_queue_depth",
+            "KV blocks waiting to be copied to the host tier or being copied",
+            ["model"],
+            registry=registry,
+        ).labels(model=model)
+        self._seen: dict[tuple[str, str], float] = {}
+
+    def update(self, offload) -> None:
+        """Add what the tiers' counters gained since the last call; set the gauges."""
+        for tier, stats in offload.stats.items():
+            for field, counter, direction in self._counters:
+                now = getattr(stats, field)
+                gained = now - self._seen.get((tier, field), 0)
+                self._seen[tier, field] = now
+                if gained > 0:
+                    labels = {"model": self._model, "tier": tier}
+                    if direction:
+                        labels["direction"] = direction
+                    counter.labels(**labels).inc(gained)
+        self.blocks.labels(model=self._model, tier="CPU").set(len(offload.host))
+        if offload.disk is not None:
+            self.blocks.labels(model=self._model, tier="DISK").set(len(offload.disk))
+        self.queue_depth.set(offload.queue_depth)
 
 
 class StatsLogger:

@@ -19,6 +19,7 @@ from helpers import (
 from shoal.engine.kv_offload import MEDIUM_CPU, MEDIUM_DISK
 from shoal.kv_hash import hash_blocks
 from shoal.protocol import BlockRemoved, BlockStored
+from shoal.worker.metrics import WorkerMetrics
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,15 @@ def test_host_tier_serves_evicted_turns_with_identical_output(llama_dir, referen
     assert stats.bytes_read == stats.hits * llm.engine.kv.offload.block_bytes
     assert stats.stored > 0 and stats.bytes_written > 0
     assert_tiers_settled(llm)
+    metrics = WorkerMetrics("m")
+    metrics.update(llm.engine)
+    sample = metrics.registry.get_sample_value
+    cpu = {"model": "m", "tier": "CPU"}
+    assert sample("shoal_worker_kv_offload_hits_total", cpu) == stats.hits
+    read = {**cpu, "direction": "read"}
+    assert sample("shoal_worker_kv_offload_bytes_total", read) == stats.bytes_read
+    assert sample("shoal_worker_kv_offload_blocks", cpu) == len(llm.engine.kv.offload.host)
+    assert sample("shoal_worker_kv_offload_queue_depth", {"model": "m"}) == 0
 
 
 def test_disk_tier_takes_what_the_host_evicts(llama_dir, reference, tmp_path):
