@@ -1,7 +1,8 @@
 """Disaggregated serving with real worker processes: one `shoal worker --role prefill`, one
 `--role decode`, and a DisaggClient in the test process; outputs match an aggregated engine
 token for token, only missing blocks travel, and pinned blocks never leak. Every test runs
-once per KV transfer backend that works on a CPU: host, and NIXL where a NIXL wheel imports."""
+once per KV transfer backend: host and NIXL (where a NIXL wheel imports) on the CPU, and
+CUDA IPC with the workers on the GPU (marked gpu: the device machine runs it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from shoal.disagg.nixl import load_nixl
 from shoal.engine.config import EngineConfig
@@ -32,7 +34,15 @@ BACKENDS = [
     pytest.param(
         "nixl", marks=pytest.mark.skipif(load_nixl() is None, reason="no NIXL wheel installed")
     ),
+    pytest.param(
+        "cuda_ipc",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
 ]
+GPU_KV_BYTES = 64 * 2**20  # each process's KV cache on the one GPU
 
 
 def free_port() -> int:
@@ -48,10 +58,13 @@ class Worker:
         self, model_dir: Path, folder: Path, role: str, backend: str, device: str = "cpu"
     ) -> None:
         self.port = free_port()
+        self.device = device
         argv = [sys.executable, "-m", "shoal", "worker", "--model", str(model_dir)]
         argv += ["--device", device, "--served-model-name", MODEL, "--log-level", "warning"]
         argv += ["--discovery", f"file://{folder}", "--role", role]
         argv += ["--kv-transfer-backend", backend]
+        if device == "cuda":
+            argv += ["--kv-cache-memory-bytes", str(GPU_KV_BYTES)]
         argv += ["--metrics-port", str(self.port), "--kv-pin-timeout", str(PIN_TIMEOUT)]
         self.proc = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -134,8 +147,9 @@ def start_cluster(folder: Path, workers: list[Worker]) -> Frontend:
 def cluster(request, llama_dir, tmp_path_factory):
     backend = request.param
     folder = tmp_path_factory.mktemp("disagg")
-    prefill = Worker(llama_dir, folder, "prefill", backend)
-    decode = Worker(llama_dir, folder, "decode", backend)
+    device = "cuda" if backend == "cuda_ipc" else "cpu"
+    prefill = Worker(llama_dir, folder, "prefill", backend, device)
+    decode = Worker(llama_dir, folder, "decode", backend, device)
     frontend = start_cluster(folder, [prefill, decode])
     yield prefill, decode, frontend
     frontend.close()
@@ -145,8 +159,11 @@ def cluster(request, llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), device="cpu"))
+def reference(llama_dir, cluster):
+    """An aggregated engine on the workers' device."""
+    device = cluster[0].device
+    memory = {"kv_cache_memory_bytes": GPU_KV_BYTES} if device == "cuda" else {}
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), device=device, **memory))
 
     def run(request: EngineRequest) -> list[int]:
         engine.add_request(request)
