@@ -1,0 +1,288 @@
+"""KV offload benchmark (issue 19): host<->GPU block copies, and a multi-turn workload
+whose working set is several times the GPU KV pool, with the host tier on and off.
+
+    # on the H100 (Llama-3.1-8B shape, random weights):
+    python benchmarks/kv_offload_bench.py copy --shape llama-3.1-8b
+    python benchmarks/kv_offload_bench.py multi-turn --shape llama-3.1-8b --cpu-gb 32
+    # on a CPU: what saving on store and saving on evict each copy, and when
+    python benchmarks/kv_offload_bench.py policy --shape tiny --device cpu
+
+copy: BlockCopier.save/load of batches of blocks between the KV cache and pinned host
+slots, in GB/s, next to one large pinned memcpy each way (the link's measured peak).
+multi-turn: C conversations of T turns (U new prompt tokens and O output tokens a turn),
+all conversations' turn t submitted together; the GPU pool is sized to 1/ratio of the
+final working set. TTFT p50/p99 (turns after the first) and output tok/s, tiers off and on.
+policy: the multi-turn workload with the host tier on; the copies saving on store made
+(time in flush, after each step) against those saving on evict would have made (the
+blocks the GPU pool evicted each step, copied in the same batches before the step).
+Each run appends a record with provenance to benchmarks/results/kv_offload.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import SHAPES
+from provenance import provenance
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.kv_offload.copier import BlockCopier
+from shoal.engine.llm_engine import LLMEngine
+from shoal.protocol import BlockRemoved, EngineRequest, SamplingParams
+
+RESULTS = Path(__file__).parent / "results" / "kv_offload.jsonl"
+BLOCK = 16
+
+
+def make_engine(args: argparse.Namespace, num_blocks: int, cpu_gb: float | None) -> LLMEngine:
+    folder = Path(tempfile.mkdtemp(prefix=f"shoal-{args.shape}-"))
+    config = {**SHAPES[args.shape], "torch_dtype": args.dtype, "eos_token_id": 0}
+    (folder / "config.json").write_text(json.dumps(config))
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            load_format="dummy",
+            dtype=args.dtype,
+            device=args.device,
+            num_gpu_blocks=num_blocks,
+            block_size=BLOCK,
+            max_model_len=args.max_model_len,
+            kv_offload_cpu_gb=cpu_gb,
+        )
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(args: argparse.Namespace) -> dict:
+    """GB/s of block batches each way, and of one large pinned memcpy each way."""
+    cfg = SHAPES[args.shape]
+    layers, heads = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device or "cuda")
+    num_blocks = max(args.batches)
+    caches = [
+        torch.zeros((2, num_blocks, BLOCK, heads, dim), dtype=dtype, device=device)
+        for _ in range(layers)
+    ]
+    pin = device.type == "cuda"
+    host = torch.empty((num_blocks, layers, 2, BLOCK, heads, dim), dtype=dtype, pin_memory=pin)
+    block_bytes = host[0].numel() * dtype.itemsize
+    copier = BlockCopier(caches)
+    rows = []
+    for n in args.batches:
+        ids = list(range(n))
+        for direction in ("save", "load"):
+            times = []
+            for _ in range(args.repeats):
+                sync(device)
+                t0 = time.perf_counter()
+                if direction == "save":
+                    job = copier.save(ids, host, ids)
+                else:
+                    job = copier.load([host[i] for i in ids], ids)
+                job.wait()
+                times.append(time.perf_counter() - t0)
+            best = min(times)
+            rows.append({"blocks": n, "direction": direction, "gb_s": n * block_bytes / best / 1e9})
+    size = num_blocks * block_bytes
+    flat_host = host.view(-1)
+    flat_dev = torch.empty(flat_host.shape, dtype=dtype, device=device)
+    peak = {}
+    for direction, (dst, src) in {
+        "h2d": (flat_dev, flat_host),
+        "d2h": (flat_host, flat_dev),
+    }.items():
+        times = []
+        for _ in range(args.repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        peak[direction] = size / min(times) / 1e9
+    return {"block_bytes": block_bytes, "batches": rows, "peak_gb_s": peak}
+
+
+def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
+    """Each conversation's new prompt tokens per turn."""
+    rng = np.random.default_rng(args.seed)
+    low, high = (1000, 100000) if vocab > 100000 else (5, vocab)
+    return [
+        [rng.integers(low, high, args.turn_tokens).tolist() for _ in range(args.turns)]
+        for _ in range(args.conversations)
+    ]
+
+
+def multi_turn(engine: LLMEngine, args: argparse.Namespace, vocab: int, on_step=None) -> dict:
+    """Run the conversations turn by turn; TTFT of later turns and output throughput."""
+    turns = conversations(args, vocab)
+    history: list[list[int]] = [[] for _ in turns]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
+    ttfts: list[float] = []
+    out_tokens = 0
+    start = time.perf_counter()
+    for t in range(args.turns):
+        added: dict[str, float] = {}
+        for c, conv in enumerate(turns):
+            history[c] = history[c] + conv[t]
+            rid = f"{c}-{t}"
+            engine.add_request(
+                EngineRequest(request_id=rid, prompt_token_ids=history[c], sampling=sp)
+            )
+            added[rid] = time.perf_counter()
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            if on_step is not None:
+                on_step(engine)
+            for out in outputs:
+                c = int(out.request_id.split("-")[0])
+                history[c] = history[c] + list(out.new_token_ids)
+                out_tokens += len(out.new_token_ids)
+                if out.request_id in added and out.new_token_ids:
+                    if t > 0:
+                        ttfts.append(now - added[out.request_id])
+                    del added[out.request_id]
+    wall = time.perf_counter() - start
+    ttfts.sort()
+    return {
+        "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+        "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "output_tok_s": out_tokens / wall,
+        "wall_s": wall,
+    }
+
+
+def pool_blocks(args: argparse.Namespace) -> tuple[int, int]:
+    """The final working set in blocks, and the GPU pool: that divided by the ratio."""
+    per_conv = args.turns * (args.turn_tokens + args.output_tokens)
+    working = args.conversations * -(-per_conv // BLOCK)
+    return working, max(int(working / args.ratio), -(-(per_conv + 1) // BLOCK) * 2)
+
+
+def run_multi_turn(args: argparse.Namespace) -> dict:
+    working, blocks = pool_blocks(args)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    result = {"working_set_blocks": working, "gpu_blocks": blocks}
+    for label, gb in (("off", None), ("on", args.cpu_gb)):
+        engine = make_engine(args, blocks, gb)
+        result[label] = multi_turn(engine, args, vocab)
+        if engine.kv.offload is not None:
+            result[label]["tiers"] = {m: vars(s) for m, s in engine.kv.offload.stats.items()}
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    result["ttft_p50_speedup"] = result["off"]["ttft_p50_ms"] / result["on"]["ttft_p50_ms"]
+    return result
+
+
+def run_policy(args: argparse.Namespace) -> dict:
+    """Copies made saving on store (measured) and saving on evict (replayed per step)."""
+    working, blocks = pool_blocks(args)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    engine = make_engine(args, blocks, args.cpu_gb)
+    offload = engine.kv.offload
+    flush_times: list[float] = []
+    evictions: list[int] = []
+    flush = offload.flush
+
+    def timed_flush() -> None:
+        t0 = time.perf_counter()
+        flush()
+        flush_times.append(time.perf_counter() - t0)
+
+    def count_evictions(eng: LLMEngine) -> None:
+        events = eng.take_kv_events()
+        gpu = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "GPU"]
+        evictions.append(sum(len(e.block_hashes) for e in gpu))
+
+    offload.flush = timed_flush
+    figures = multi_turn(engine, args, vocab, on_step=count_evictions)
+    saved = offload.stats["CPU"].stored
+    caches = engine.runner.kv_caches
+    host = torch.empty((max(evictions), *offload.host.buffer.shape[1:]), dtype=caches[0].dtype)
+    copier = BlockCopier(caches)
+    replay = []
+    for n in (n for n in evictions if n):
+        t0 = time.perf_counter()
+        copier.save(list(range(n)), host, list(range(n))).wait()
+        replay.append(time.perf_counter() - t0)
+    return {
+        "working_set_blocks": working,
+        "gpu_blocks": blocks,
+        "workload": figures,
+        "store": {
+            "blocks_copied": saved,
+            "copy_s": sum(flush_times),
+            "steps_with_copies": sum(1 for t in flush_times if t > 1e-5),
+            "max_step_copy_ms": 1e3 * max(flush_times),
+        },
+        "evict": {
+            "blocks_copied": sum(evictions),
+            "copy_s": sum(replay),
+            "steps_with_copies": len(replay),
+            "max_step_copy_ms": 1e3 * max(replay, default=0.0),
+        },
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["copy", "multi-turn", "policy"])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128, 512]
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--turn-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--ratio", type=float, default=3.5, help="working set / GPU pool")
+    parser.add_argument("--cpu-gb", type=float, default=32.0, help="host tier size")
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    stamp = provenance()
+    run = {"copy": copy_bandwidth, "multi-turn": run_multi_turn, "policy": run_policy}[args.mode]
+    result = run(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    record = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        **stamp,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "mode": args.mode,
+        "args": {k: v for k, v in vars(args).items() if k != "mode"},
+        "result": result,
+    }
+    print(json.dumps(record, indent=1))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with RESULTS.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
