@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
+from shoal.engine.parallel.executor import RankDiedError
 from shoal.protocol import EngineOutput, EngineRequest
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,8 @@ class AsyncLLM:
         engine = self.engine
         try:
             outputs = engine.step()
+        except RankDiedError:
+            raise  # a tensor-parallel rank is gone: no step can run again
         except Exception as exc:
             self._step_failed(exc)
             return

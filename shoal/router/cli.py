@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from shoal.flags import Flag, FlagGroup
+from shoal.router.kv_router import LOWER_TIER_CREDIT
 from shoal.router.policies import POLICIES
 from shoal.router.selector import KvRouterConfig
 
@@ -44,6 +45,14 @@ ROUTER = FlagGroup(
             "by running requests; higher protects TTFT, lower protects ITL and memory",
             float,
             _DEFAULT.prefill_load_scale,
+        ),
+        Flag(
+            "kv-lower-tier-credit",
+            "kv mode: what a block a worker holds in a lower KV tier (host memory, disk) "
+            "saves, as a fraction of a block in its GPU cache (it is copied back, not "
+            "recomputed); 0 prices it as a miss",
+            float,
+            LOWER_TIER_CREDIT,
         ),
         Flag(
             "router-temperature",
@@ -125,10 +134,15 @@ def router_options(args: argparse.Namespace) -> dict:
         raise SystemExit(f"{flag}: {e}") from None
     if args.busy_wait < 0:
         raise SystemExit(f"--busy-wait must be non-negative (got {args.busy_wait})")
+    if not 0.0 <= args.kv_lower_tier_credit <= 1.0:
+        raise SystemExit(
+            f"--kv-lower-tier-credit must be in [0, 1] (got {args.kv_lower_tier_credit})"
+        )
     return {
         "mode": args.router_mode,
         "kv_config": config,
         "use_kv_events": not args.no_kv_events,
+        "lower_tier_credit": args.kv_lower_tier_credit,
         "replica_sync": args.router_replica_sync,
         "busy_wait": args.busy_wait,
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from shoal.router.kv_router import KvRouter
+from shoal.router.kv_router import LOWER_TIER_CREDIT, KvRouter
 from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import POLICIES, LeastLoaded, Policy, Random, RoundRobin
 from shoal.router.selector import KvRouterConfig
@@ -22,12 +22,14 @@ def make_router(
     replica_sync: bool = True,
     sync_host: str = "127.0.0.1",
     sync_advertise_host: str | None = None,
+    lower_tier_credit: float = LOWER_TIER_CREDIT,
 ) -> Policy:
     """The policy named `mode`; least-loaded counts this process's open streams per worker.
 
     `seed` seeds the random choices (random mode, ties), for runs that must repeat exactly.
     kv mode: `replica_sync` shares routed load with the other router replicas over the
-    event plane, publishing on `sync_host` (others dial `sync_advertise_host` if given).
+    event plane, publishing on `sync_host` (others dial `sync_advertise_host` if given);
+    `lower_tier_credit` prices a block held in a lower KV tier against a GPU-cached one.
     """
     if mode == "round-robin":
         return RoundRobin()
@@ -45,5 +47,6 @@ def make_router(
             replica_sync=replica_sync,
             sync_host=sync_host,
             sync_advertise_host=sync_advertise_host,
+            lower_tier_credit=lower_tier_credit,
         )
     raise ValueError(f"unknown router mode {mode!r} (choose from {', '.join(POLICIES)})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers import (
+from tier_helpers import (
     BLOCK,
     FILLER,
     TURN_TOKENS,
