@@ -161,7 +161,7 @@ async def measure(args: argparse.Namespace, folder: Path, decode: Worker) -> lis
     return rows
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backends", default="cuda_ipc,nixl,host")
     p.add_argument("--lengths", default="1024,4096,16384")
@@ -170,7 +170,11 @@ def main() -> int:
     p.add_argument("--kv-bytes", type=int, default=8 * 2**30, help="each worker's KV cache")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--no-record", action="store_true")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     model = make_model_dir("llama-3.1-8b", Path(tempfile.mkdtemp(prefix="disagg-bench-")))
     copy = device_copy_gbps()
