@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from shoal.frontend.tool_parsers.base import Delta, held_back
+from shoal.frontend.tool_parsers.base import BufferedParser, Delta, held_back
 
 START, END = "<think>", "</think>"
 
 
-class ThinkParser:
+class ThinkParser(BufferedParser):
     """Text up to </think> is reasoning (a leading <think> dropped), the rest is content.
 
     thinking: whether the output starts inside the thinking (the prompt opened it); an
@@ -20,17 +20,6 @@ class ThinkParser:
         self.thinking = thinking
         self.started = False
         self.buffer = ""
-
-    def feed(self, text: str) -> Delta:
-        out = Delta()
-        self.buffer += text
-        self._run(out, final=False)
-        return out
-
-    def finish(self) -> Delta:
-        out = Delta()
-        self._run(out, final=True)
-        return out
 
     def _run(self, out: Delta, final: bool) -> None:
         if not self.started:

@@ -97,6 +97,28 @@ class OutputParser(Protocol):
     def finish(self) -> Delta: ...
 
 
+class BufferedParser:
+    """A parser over text it may have to hold back (a marker can arrive split): `feed` adds
+    text to `buffer` and runs `_run`; `finish` runs it once more knowing the text is over."""
+
+    buffer: str
+
+    def feed(self, text: str) -> Delta:
+        out = Delta()
+        self.buffer += text
+        self._run(out, final=False)
+        return out
+
+    def finish(self) -> Delta:
+        out = Delta()
+        self._run(out, final=True)
+        return out
+
+    def _run(self, out: Delta, final: bool) -> None:
+        """Move what the buffer's text settles into `out` (all of it when `final`)."""
+        raise NotImplementedError
+
+
 class Calls:
     """Numbers one choice's tool calls and writes their deltas: a call's argument text waits
     until its name is known, so its first delta always carries id, type and name."""

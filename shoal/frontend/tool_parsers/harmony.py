@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from shoal.frontend.tool_parsers.base import Calls, Delta
+from shoal.frontend.tool_parsers.base import BufferedParser, Calls, Delta
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
@@ -30,7 +30,7 @@ def _held(text: str) -> int:
     return len(tail) if any(end.startswith(tail) and end != tail for end in ENDS) else 0
 
 
-class HarmonyParser:
+class HarmonyParser(BufferedParser):
     """Splits harmony text into reasoning (analysis), content and tool calls; reasoning and
     calls are dropped unless asked for."""
 
@@ -43,15 +43,8 @@ class HarmonyParser:
         self.buffer = ""
         self.target: str | None = None  # where the open body goes; None: in a header
 
-    def feed(self, text: str) -> Delta:
-        out = Delta()
-        self.buffer += text
-        self._run(out, final=False)
-        return out
-
     def finish(self) -> Delta:
-        out = Delta()
-        self._run(out, final=True)
+        out = super().finish()
         if self.target is None and self.buffer and "<|" not in self.buffer:
             out.content += self.buffer  # no harmony at all: plain text
         elif self.target == "call":

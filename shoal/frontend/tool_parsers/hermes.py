@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from shoal.frontend.tool_parsers.base import Calls, Delta, held_back
+from shoal.frontend.tool_parsers.base import BufferedParser, Calls, Delta, held_back
 from shoal.frontend.tool_parsers.json_scan import CallScanner
 
 START, END = "<tool_call>", "</tool_call>"
 
 
-class HermesParser:
+class HermesParser(BufferedParser):
     """Text before the first call is content; text between and after calls is dropped."""
 
     keeps_special_tokens = False
@@ -18,17 +18,6 @@ class HermesParser:
         self.buffer = ""
         self.scanner: CallScanner | None = None  # inside a <tool_call> block when set
         self.called = False
-
-    def feed(self, text: str) -> Delta:
-        out = Delta()
-        self.buffer += text
-        self._run(out, final=False)
-        return out
-
-    def finish(self) -> Delta:
-        out = Delta()
-        self._run(out, final=True)
-        return out
 
     def _run(self, out: Delta, final: bool) -> None:
         while self.buffer:

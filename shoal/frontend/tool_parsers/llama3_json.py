@@ -3,14 +3,14 @@ optionally after <|python_tag|>, several separated by semicolons."""
 
 from __future__ import annotations
 
-from shoal.frontend.tool_parsers.base import Calls, Delta
+from shoal.frontend.tool_parsers.base import BufferedParser, Calls, Delta
 from shoal.frontend.tool_parsers.json_scan import CallScanner
 
 PYTHON_TAG = "<|python_tag|>"
 _SEPARATORS = " \t\r\n;"
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(BufferedParser):
     """An output that starts (after spaces) with `{` or <|python_tag|> is calls; any other
     output is content."""
 
@@ -21,17 +21,6 @@ class Llama3JsonParser:
         self.buffer = ""
         self.mode: str | None = None  # "content" or "calls" once the start tells; "ended"
         self.scanner: CallScanner | None = None
-
-    def feed(self, text: str) -> Delta:
-        out = Delta()
-        self.buffer += text
-        self._run(out, final=False)
-        return out
-
-    def finish(self) -> Delta:
-        out = Delta()
-        self._run(out, final=True)
-        return out
 
     def _run(self, out: Delta, final: bool) -> None:
         if self.mode is None:

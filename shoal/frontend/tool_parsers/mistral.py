@@ -4,13 +4,19 @@ the request keeps special tokens in its text."""
 
 from __future__ import annotations
 
-from shoal.frontend.tool_parsers.base import Calls, Delta, held_back, mistral_call_id
+from shoal.frontend.tool_parsers.base import (
+    BufferedParser,
+    Calls,
+    Delta,
+    held_back,
+    mistral_call_id,
+)
 from shoal.frontend.tool_parsers.json_scan import CallScanner
 
 CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-class MistralParser:
+class MistralParser(BufferedParser):
     """Text before the first [TOOL_CALLS] is content; what follows the calls is dropped."""
 
     keeps_special_tokens = True
@@ -20,17 +26,6 @@ class MistralParser:
         self.buffer = ""
         self.state = "content"  # content | after_marker | name | value | between | ended
         self.scanner: CallScanner | None = None
-
-    def feed(self, text: str) -> Delta:
-        out = Delta()
-        self.buffer += text
-        self._run(out, final=False)
-        return out
-
-    def finish(self) -> Delta:
-        out = Delta()
-        self._run(out, final=True)
-        return out
 
     def _run(self, out: Delta, final: bool) -> None:
         while self.buffer:
