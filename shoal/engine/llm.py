@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.llm_engine import LLMEngine, engine_device
+from shoal.engine.device import engine_device
+from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.outputs import CompletionOutput, RequestOutput
 from shoal.protocol import EngineOutput, EngineRequest, SamplingParams
 from shoal.tokenizer import IncrementalDetokenizer, TextTokenizer

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
+from shoal.engine.device import engine_device
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.kv_offload import OffloadConfig, OffloadManager, admit
 from shoal.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
@@ -47,11 +48,6 @@ class _Step:
     starts: list[int]  # each sequence's num_computed_tokens before the step
     handle: StepHandle | None = None
     needs_history: bool = False  # a sequence it samples uses penalties or a grammar
-
-
-def engine_device(device: str | None) -> torch.device:
-    """The device an engine runs on: the one given, else CUDA when present, else the CPU."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def profile_prompt_lengths(max_batched_tokens: int, max_seqs: int, max_model_len: int) -> list[int]:

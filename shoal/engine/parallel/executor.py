@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
 import msgspec
@@ -27,12 +26,20 @@ import torch
 import torch.distributed as dist
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.parallel.group import (
+    BUILD,
+    CAPTURE,
+    QUIT,
+    STEP,
+    TAKE_DOWN,
+    BuildCommand,
+    init_group,
+    rank_device,
+)
 from shoal.engine.parallel.plan import StepPlan, encode_plan
-from shoal.layers.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 READY_TIMEOUT_S = 600.0  # a follower's time to load its shard
 GPU_EXIT_GRACE_S = 5.0  # a rank died on GPUs: the time left to the engine before it exits
 DEATH_NOTICE_S = 3.0  # after a failed collective, how long a follower's death may take to show
@@ -40,38 +47,6 @@ DEATH_NOTICE_S = 3.0  # after a failed collective, how long a follower's death m
 
 class RankDiedError(RuntimeError):
     """A tensor-parallel rank is gone: the engine cannot run another step."""
-
-
-class BuildCommand(msgspec.Struct, array_like=True):
-    num_blocks: int
-    max_num_seqs: int
-    max_model_len: int
-    enforce_eager: bool
-
-
-# a command is one tag byte and its payload
-STEP, BUILD, CAPTURE, TAKE_DOWN, QUIT = b"S", b"B", b"C", b"T", b"Q"
-
-
-def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
-    """The device of `rank`: GPU number `rank`, or the CPU; raises if GPUs are too few."""
-    if device.type != "cuda":
-        return device
-    count = torch.cuda.device_count()
-    if count < size:
-        raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; {count} visible")
-    return torch.device("cuda", rank)
-
-
-def init_group(device: torch.device, rank: int, size: int, store: dist.Store) -> TPGroup:
-    """Join the tensor-parallel group: NCCL on GPUs, gloo on the CPU."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
-    )
-    return TPGroup(rank, size, dist.group.WORLD)
 
 
 class Followers:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.parallel.executor import (
+from shoal.engine.parallel.group import (
     BUILD,
     CAPTURE,
     QUIT,
@@ -37,7 +37,7 @@ def run_follower(
     config: EngineConfig, rank: int, store_port: int, pipe: Connection, parent_pid: int
 ) -> None:
     """The follower process: join the group, load this rank's shard, then serve commands."""
-    from shoal.engine.llm_engine import engine_device
+    from shoal.engine.device import engine_device
     from shoal.engine.model_runner import ModelRunner
     from shoal.models.config import ModelConfig
     from shoal.models.loader import load_model, resolve_model_dir
