@@ -17,6 +17,7 @@ import torch
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
 from shoal.mocker.runner import MockRunner
+from shoal.mocker.tiers import ModelledOffload, TierModel
 from shoal.mocker.timing import TimingModel
 from shoal.protocol import EngineOutput
 from shoal.tokenizer import TextTokenizer
@@ -28,7 +29,11 @@ H100_8B_KV_TOKENS = 444_896  # Llama-3.1-8B bf16, one H100 80GB, gpu_memory_util
 
 class MockEngine(LLMEngine):
     def __init__(
-        self, config: EngineConfig, timing: TimingModel | None = None, speedup: float = 1.0
+        self,
+        config: EngineConfig,
+        timing: TimingModel | None = None,
+        speedup: float = 1.0,
+        tiers: TierModel | None = None,
     ) -> None:
         self._init_config(config, torch.device("cpu"))
         num_blocks = config.num_gpu_blocks or H100_8B_KV_TOKENS // config.block_size
@@ -41,6 +46,9 @@ class MockEngine(LLMEngine):
         self.runner = MockRunner(
             vocab, timing or TimingModel(), speedup, config.seed, self.model_config.num_layers
         )
+        if config.kv_offload_cpu_gb:
+            self.kv.offload = ModelledOffload(config, self.kv, self.runner, tiers or TierModel())
+            log.info("mocker KV tiers: %s", self.kv.offload.copier.model)
         log.info(
             "mocker ready: %s, %d KV blocks of %d tokens, speedup %g, %s",
             self.model_config.architecture,
@@ -52,7 +60,11 @@ class MockEngine(LLMEngine):
 
     def step(self) -> list[EngineOutput]:
         started = time.perf_counter()
+        clock = self.runner.simulated_seconds
         outputs = super().step()
+        offload = self.kv.offload
+        if offload is not None and self.runner.simulated_seconds == clock:
+            offload.idle()  # nothing ran: the clock moves on to the next copy's end
         self.runner.pace(started)
         return outputs
 

@@ -48,7 +48,7 @@ class MockRunner:
         """The model runner's launch: a mocked step is done as soon as it starts (see collect)."""
         modelled = self.timing.step_seconds(sched)
         self.simulated_seconds += modelled
-        self._owed = modelled / self.speedup
+        self._owed += modelled / self.speedup
         out = RunnerOutput({}, {}, {})
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
@@ -63,6 +63,13 @@ class MockRunner:
                 if req.sampling.logprobs is not None:
                     out.logprobs[req.request_id] = self._logprob(token, req.sampling.logprobs)
         return out
+
+    def idle_until(self, clock: float) -> None:
+        """Let the simulated clock run to `clock` with nothing scheduled (a copy to wait
+        for); the step sleeps that time too, divided by the speedup."""
+        if clock > self.simulated_seconds:
+            self._owed += (clock - self.simulated_seconds) / self.speedup
+            self.simulated_seconds = clock
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks' KV as the mocker holds it: none (shoal.mocker.transfer)."""
