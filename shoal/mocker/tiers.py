@@ -100,12 +100,6 @@ class ModelledOffload(OffloadManager):
         self.copier.disk_blocks = media[: len(sources)].count(MEDIUM_DISK)
         return sources, entries
 
-    def flush(self) -> None:
-        """OffloadManager.flush, then finish the saves done even when none was queued
-        (the engine's flush returns early on an empty queue)."""
-        super().flush()
-        self.poll()
-
     def idle(self) -> None:
         """Nothing to schedule: let the clock run to the first pending copy's end."""
         jobs = [load.job for load in self.loads] + [job for job, _, _ in self.saves]

@@ -112,8 +112,11 @@ class OffloadManager:
             self.queue.append((block, meta))
 
     def flush(self) -> None:
-        """Start copying the queued blocks to the host tier (one batch)."""
+        """Start copying the queued blocks to the host tier (one batch), and finish the saves
+        that are done (also when nothing is queued: a save still in flight after the last
+        queued flush holds its GPU blocks until a poll reaps it)."""
         if not self.queue:
+            self.poll()
             return
         queue, self.queue = self.queue, []
         blocks: list[KVBlock] = []
