@@ -11,13 +11,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from shoal.protocol import EngineOutput, EngineRequest
+from shoal.runtime import RequestServer
+
+ENDPOINT = "test.worker.generate"
 WORKER = Path(__file__).with_name("worker_proc.py")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -158,3 +162,21 @@ class EtcdServer:
 
     def wipe(self) -> None:
         shutil.rmtree(self.workdir / "data", ignore_errors=True)
+
+
+async def count_up(req: EngineRequest) -> AsyncIterator[EngineOutput]:
+    """Yields one output per token, the last one finished."""
+    n = req.sampling.max_tokens or 1
+    for i in range(n):
+        yield EngineOutput(
+            request_id=req.request_id,
+            new_token_ids=[i],
+            finish_reason="length" if i == n - 1 else None,
+        )
+
+
+async def serving(handler=count_up, **kwargs) -> RequestServer:
+    server = RequestServer(**kwargs)
+    await server.start()
+    server.add_endpoint(ENDPOINT, handler, EngineRequest)
+    return server

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from runtime_helpers import run, wait_until
+from runtime_helpers import ENDPOINT, count_up, run, serving, wait_until
 
 from shoal.protocol import (
     EngineOutput,
@@ -28,13 +28,11 @@ from shoal.runtime import (
     EventSubscriber,
     HandlerError,
     RequestClient,
-    RequestServer,
     WorkerLostError,
 )
 from shoal.runtime.auth import FrameSigner
 from shoal.runtime.errors import StreamTimeoutError, UnauthorizedError
 
-ENDPOINT = "test.worker.generate"
 ENCODE = msgspec.msgpack.encode
 SERVER_FRAME = msgspec.msgpack.Decoder(ServerFrame)
 
@@ -43,23 +41,6 @@ def request(rid: str = "r", max_tokens: int = 5) -> EngineRequest:
     return EngineRequest(
         request_id=rid, prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=max_tokens)
     )
-
-
-async def count_up(req: EngineRequest) -> AsyncIterator[EngineOutput]:
-    n = req.sampling.max_tokens or 1
-    for i in range(n):
-        yield EngineOutput(
-            request_id=req.request_id,
-            new_token_ids=[i],
-            finish_reason="length" if i == n - 1 else None,
-        )
-
-
-async def serving(handler=count_up, **kwargs) -> RequestServer:
-    server = RequestServer(**kwargs)
-    await server.start()
-    server.add_endpoint(ENDPOINT, handler, EngineRequest)
-    return server
 
 
 async def answer(raw: zmq.asyncio.Socket, frames: list[bytes]) -> list[bytes]:

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from runtime_helpers import reap, run, spawn, wait_until
+from runtime_helpers import ENDPOINT, count_up, reap, run, serving, spawn, wait_until
 
 from shoal.protocol import (
     EngineOutput,
@@ -35,31 +35,11 @@ from shoal.runtime import (
     WorkerLostError,
 )
 
-ENDPOINT = "test.worker.generate"
-
 
 def request(rid: str = "r", max_tokens: int = 10) -> EngineRequest:
     return EngineRequest(
         request_id=rid, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=max_tokens)
     )
-
-
-async def count_up(req: EngineRequest) -> AsyncIterator[EngineOutput]:
-    """Yields one output per token, the last one finished."""
-    n = req.sampling.max_tokens or 1
-    for i in range(n):
-        yield EngineOutput(
-            request_id=req.request_id,
-            new_token_ids=[i],
-            finish_reason="length" if i == n - 1 else None,
-        )
-
-
-async def serving(handler=count_up, **kwargs) -> RequestServer:
-    server = RequestServer(**kwargs)
-    await server.start()
-    server.add_endpoint(ENDPOINT, handler, EngineRequest)
-    return server
 
 
 class Recorder:
