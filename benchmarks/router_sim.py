@@ -626,34 +626,39 @@ def main() -> int:
             else {}
         ),
     }
+
+    def make(speed: float, seed: int = 0) -> Workload:
+        if args.workload == "mooncake":
+            return mooncake(entries, requests, speed)
+        if args.workload == "shared-prefix":
+            return shared_prefix(vocab, speed, seed)
+        return multi_turn(vocab, speed)
+
+    def repeats(mode: str, workloads: list[Workload]) -> list[dict]:
+        """One simulation per repeat, repeat i with seed i on workloads[i]."""
+        return [
+            simulate(
+                mode,
+                workload,
+                model,
+                args.workers,
+                kv_blocks,
+                kv_config,
+                effects,
+                args.arrival_jitter_ms / 1e3,
+                seed,
+                args.replicas,
+                args.replica_sync,
+            )
+            for seed, workload in enumerate(workloads)
+        ]
+
     if args.goodput:
         stamp["slo_ttft_p99_ms"] = args.slo_ttft_p99_ms
         stamp["goodput_tolerance"] = args.goodput_tolerance
 
-        def make(speed: float, seed: int) -> Workload:
-            if args.workload == "mooncake":
-                return mooncake(entries, requests, speed)
-            if args.workload == "shared-prefix":
-                return shared_prefix(vocab, speed, seed)
-            return multi_turn(vocab, speed)
-
         def runs_at(mode: str, speed: float) -> list[dict]:
-            return [
-                simulate(
-                    mode,
-                    make(speed, seed),
-                    model,
-                    args.workers,
-                    kv_blocks,
-                    kv_config,
-                    effects,
-                    args.arrival_jitter_ms / 1e3,
-                    seed,
-                    args.replicas,
-                    args.replica_sync,
-                )
-                for seed in range(args.repeats)
-            ]
+            return repeats(mode, [make(speed, seed) for seed in range(args.repeats)])
 
         start = speeds[0] if args.speeds else GOODPUT_START.get(args.workload, 1.0)
         modes = args.modes.split(",")
@@ -667,29 +672,9 @@ def main() -> int:
         + ("  p50 over repeats" if args.repeats > 1 else "")
     )
     for speed in speeds:
-        if args.workload == "mooncake":
-            workload = mooncake(entries, requests, speed)
-        elif args.workload == "shared-prefix":
-            workload = shared_prefix(vocab, speed)
-        else:
-            workload = multi_turn(vocab, speed)
+        workload = make(speed)
         for mode in args.modes.split(","):
-            runs = [
-                simulate(
-                    mode,
-                    workload,
-                    model,
-                    args.workers,
-                    kv_blocks,
-                    kv_config,
-                    effects,
-                    args.arrival_jitter_ms / 1e3,
-                    seed,
-                    args.replicas,
-                    args.replica_sync,
-                )
-                for seed in range(args.repeats)
-            ]
+            runs = repeats(mode, [workload] * args.repeats)
             r = median_run(runs)
             rows.append({**stamp, "speed": speed, "mode": mode, **r})
             spread = f"  {r['ttft_p50_ms_min']:.1f}..{r['ttft_p50_ms_max']:.1f}"
