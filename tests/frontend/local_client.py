@@ -1,15 +1,11 @@
-"""EngineClients for the frontend tests: a real in-process engine, and clients that fail;
-Server runs an app on a real port."""
+"""EngineClients for the frontend tests: a real in-process engine, and clients that fail."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
-
-import uvicorn
 
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.config import EngineConfig
@@ -138,29 +134,3 @@ class DyingWorkerClient:
                     raise WorkerFailed("worker process exited with code -9")
                 sent += 1
                 yield out
-
-
-class Server:
-    """An app on 127.0.0.1 (ephemeral port) in a background thread."""
-
-    def __init__(self, app) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def start(self) -> Server:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)

@@ -9,7 +9,8 @@ import re
 import httpx
 import openai
 import pytest
-from local_client import LocalEngineClient, Server
+from frontend_helpers import ServerThread
+from local_client import LocalEngineClient
 from schema_check import violations
 
 from shoal.frontend import build_app
@@ -29,7 +30,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def server(llama_dir):
     client = LocalEngineClient(llama_dir, MODEL, device="cpu", num_gpu_blocks=2048)
-    server = Server(build_app(client)).start()
+    server = ServerThread(build_app(client)).start()
     yield server
     server.stop()
     client.shutdown()

@@ -14,7 +14,8 @@ import sys
 import httpx
 import openai
 import pytest
-from local_client import LocalEngineClient, Server
+from frontend_helpers import ServerThread
+from local_client import LocalEngineClient
 from schema_check import violations
 
 from shoal.frontend import build_app
@@ -73,8 +74,8 @@ def tools_dir(llama_dir, tmp_path_factory):
 def servers(tools_dir):
     client = LocalEngineClient(tools_dir, MODEL, device="cpu", num_gpu_blocks=1024)
     parsers = ParserConfig("hermes", enable_auto_tool_choice=True, reasoning_parser="qwen3")
-    auto = Server(build_app(client, parsers=parsers)).start()
-    plain = Server(build_app(client)).start()
+    auto = ServerThread(build_app(client, parsers=parsers)).start()
+    plain = ServerThread(build_app(client)).start()
     yield auto, plain
     auto.stop()
     plain.stop()
