@@ -137,16 +137,20 @@ class Sampler:
             min_p=[p.min_p for p in params],
         )
         q = torch.empty_like(probs)
-        for row, i in enumerate(random_rows):
-            gen = requests[i].generator
-            if gen is not None:
-                if requests[i].draws_to_skip:
-                    skip_draws(gen, requests[i].draws_to_skip, probs.shape[1])
-                    requests[i].draws_to_skip = 0
-                draw = torch.empty(probs.shape[1], pin_memory=q.is_cuda).exponential_(generator=gen)
-                q[row] = draw.to(q.device, non_blocking=True)
-            else:
-                q[row].exponential_(generator=self.generator)
+        seeded = [
+            (row, requests[i])
+            for row, i in enumerate(random_rows)
+            if requests[i].generator is not None
+        ]
+        if len(seeded) < len(random_rows):
+            q.exponential_(generator=self.generator)  # one launch for every unseeded row
+        for row, request in seeded:
+            gen = request.generator
+            if request.draws_to_skip:
+                skip_draws(gen, request.draws_to_skip, probs.shape[1])
+                request.draws_to_skip = 0
+            draw = torch.empty(probs.shape[1], pin_memory=q.is_cuda).exponential_(generator=gen)
+            q[row] = draw.to(q.device, non_blocking=True)
         greedy[idx] = (probs / q).argmax(dim=-1)
         return greedy
 
