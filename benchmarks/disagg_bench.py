@@ -9,9 +9,15 @@ prefill worker (remote), and records:
   remote prefill's added time is remote minus local time to the second token;
 - transfer bandwidth: bytes over seconds of the decode worker's pulls (its
   shoal_kv_transfer_bytes and shoal_kv_transfer_seconds), per length;
-- the device's own copy bandwidth (a 1 GiB device-to-device copy), for comparison.
+- the device's own copy bandwidth (a 1 GiB device-to-device copy), for comparison;
+- the CUDA IPC backend's copy alone (shoal.disagg.gather, in this process, on a copy stream
+  with one wait as the backend runs it): GB/s of moving 1k/4k/16k tokens' blocks out of
+  32 layer caches, for blocks in one run and in a random order, by the automatic choice,
+  by one copy per run, by one gather per layer, and by the former one index_select per
+  layer, so the choice's threshold (MAX_RUN_COPIES) can be checked.
 
     python3 benchmarks/disagg_bench.py --backends cuda_ipc,nixl,host
+    python3 benchmarks/disagg_bench.py --copy-only
 
 Appends one record to benchmarks/results/disagg_bench.jsonl (with provenance).
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -41,6 +48,7 @@ from engine_bench import SHAPES
 from provenance import provenance
 from serving_bench import make_model_dir
 
+from shoal.disagg.gather import MAX_RUN_COPIES, gather_blocks
 from shoal.frontend.disagg_client import DisaggClient
 from shoal.frontend.worker_client import WorkerClient
 from shoal.protocol import EngineRequest, SamplingParams
@@ -93,6 +101,61 @@ def device_copy_gbps(nbytes: int = 2**30, reps: int = 10) -> float:
         dst.copy_(src)
     torch.cuda.synchronize()
     return nbytes * reps / (time.perf_counter() - start) / 1e9
+
+
+COPY_PATHS = {"auto": MAX_RUN_COPIES, "runs": 10**9, "gather": 0}
+
+
+def index_select_layers(caches: list[torch.Tensor], ids: list[int], out: torch.Tensor) -> None:
+    """The CUDA IPC copy before shoal.disagg.gather: one index_select per layer."""
+    index = torch.tensor(ids, dtype=torch.int64, device=caches[0].device)
+    for layer, cache in enumerate(caches):
+        torch.index_select(cache, 1, index, out=out[layer])
+
+
+def copy_paths_gbps(lengths: list[int], reps: int = 10) -> list[dict]:
+    """GB/s of gather_blocks over Llama-3.1-8B-shaped layer caches, per length, block order
+    and path, next to one index_select per layer (the copy before shoal.disagg.gather)."""
+    shape = SHAPES["llama-3.1-8b"]
+    heads, dim = shape["num_key_value_heads"], shape["hidden_size"] // shape["num_attention_heads"]
+    layers, block = shape["num_hidden_layers"], 16
+    num_blocks = 2 * max(lengths) // block
+    caches = [
+        torch.randn((2, num_blocks, block, heads, dim), device="cuda").to(torch.bfloat16)
+        for _ in range(layers)
+    ]
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(0)
+    rows = []
+    for length in lengths:
+        count = length // block
+        orders = {
+            "one_run": list(range(count)),
+            "random": rng.permutation(num_blocks)[:count].tolist(),
+        }
+        out = torch.empty((layers, 2, count, block, heads, dim), dtype=torch.bfloat16)
+        out = out.to("cuda")
+        copies = {
+            name: functools.partial(gather_blocks, caches, max_run_copies=limit, out=out)
+            for name, limit in COPY_PATHS.items()
+        }
+        copies["index_select"] = functools.partial(index_select_layers, caches, out=out)
+        for order, ids in orders.items():
+            for name, copy in copies.items():
+                stream.wait_stream(torch.cuda.current_stream())
+                times = []
+                for _ in range(reps + 1):
+                    start = time.perf_counter()
+                    with torch.cuda.stream(stream):
+                        copy(ids)
+                    stream.synchronize()
+                    times.append(time.perf_counter() - start)
+                seconds = statistics.median(times[1:])
+                row = {"tokens": length, "order": order, "path": name, "ms": seconds * 1e3}
+                row["gbps"] = out.numel() * out.element_size() / seconds / 1e9
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
 
 
 async def timed(client: DisaggClient, request: EngineRequest) -> tuple[float, float]:
@@ -169,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--kv-bytes", type=int, default=8 * 2**30, help="each worker's KV cache")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--copy-only", action="store_true", help="only the device copies, no workers")
     p.add_argument("--no-record", action="store_true")
     return p
 
@@ -179,8 +243,9 @@ def main() -> int:
     model = make_model_dir("llama-3.1-8b", Path(tempfile.mkdtemp(prefix="disagg-bench-")))
     copy = device_copy_gbps()
     print(f"device copy: {copy:.0f} GB/s", flush=True)
+    copies = copy_paths_gbps(args.lengths)
     results = {}
-    for backend in args.backends.split(","):
+    for backend in [] if args.copy_only else args.backends.split(","):
         args.backend = backend
         folder = Path(tempfile.mkdtemp(prefix=f"disagg-{backend}-"))
         workers = [Worker(model, folder, role, args) for role in ("prefill", "decode")]
@@ -197,6 +262,7 @@ def main() -> int:
             "device": torch.cuda.get_device_name(),
             "shape": "llama-3.1-8b",
             "device_copy_gbps": copy,
+            "cuda_ipc_copy": copies,
             "args": {k: str(v) for k, v in vars(args).items()},
             "provenance": provenance(),
             "backends": results,

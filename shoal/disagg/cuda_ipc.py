@@ -1,7 +1,8 @@
 """The CUDA IPC backend: two workers on one host. The prefill worker shares each layer's
 KV cache as a CUDA IPC handle (the fields of torch's `_share_cuda_`, as a protocol type);
-the decode worker opens them once and copies the blocks it lacks device to device, one
-gather per layer, then tells the prefill worker over the request plane to unpin.
+the decode worker opens them once and copies the blocks it lacks device to device (one
+memcpy per run of consecutive block ids per layer, on a stream of its own, with one wait at
+the end: shoal.disagg.gather), then tells the prefill worker over the request plane to unpin.
 
 A prefill worker on another host (its boot id differs) is read with the next backend.
 """
@@ -13,6 +14,7 @@ import asyncio
 import torch
 
 from shoal.disagg.blocks import torch_dtype
+from shoal.disagg.gather import gather_blocks
 from shoal.disagg.transport import HostTransport, KVTransport, host_id
 from shoal.protocol import (
     KV_AGENT_ENDPOINT,
@@ -95,6 +97,7 @@ class CudaIpcTransport:
         self.device = device
         self.fallback = fallback
         self._peers: dict[str, list[torch.Tensor] | None] = {}  # worker -> its caches here
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # source device -> copy stream
 
     async def pull(self, params: KVTransferParams, first_block: int) -> torch.Tensor:
         lay = params.layout
@@ -110,18 +113,24 @@ class CudaIpcTransport:
 
     def _gather(self, caches: list[torch.Tensor], ids: list[int], lay: KVLayout) -> torch.Tensor:
         """Blocks `ids` of every layer into one tensor on this device (in a thread: it
-        waits for the copies)."""
+        waits for the copies). The copies run on a stream of their own, one per run of
+        consecutive ids where the runs are few (shoal.disagg.gather), with one wait at the end."""
         shape = (lay.num_layers, 2, len(ids), lay.block_size, lay.num_kv_heads, lay.head_dim)
         out = torch.empty(shape, dtype=torch_dtype(lay), device=self.device)
         source = caches[0].device
-        index = torch.tensor(ids, dtype=torch.int64, device=source)
+        stream = self._streams.get(source)
+        if stream is None:
+            stream = self._streams[source] = torch.cuda.Stream(source)
         with torch.cuda.device(source):
-            for layer, cache in enumerate(caches):
+            stream.wait_stream(torch.cuda.current_stream(source))
+            with torch.cuda.stream(stream):
                 if source == out.device:
-                    torch.index_select(cache, 1, index, out=out[layer])
+                    gather_blocks(caches, ids, out)
                 else:
-                    out[layer].copy_(cache.index_select(1, index))
-            torch.cuda.current_stream(source).synchronize()
+                    staged = torch.empty(shape, dtype=out.dtype, device=source)
+                    gather_blocks(caches, ids, staged)
+                    out.copy_(staged)
+            stream.synchronize()
         if source != out.device:
             torch.cuda.current_stream(out.device).synchronize()
         return out
