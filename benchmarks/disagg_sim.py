@@ -97,6 +97,7 @@ class Simulation:
         num_prefill: int,
         transfer: TransferModel,
         max_local_prefill_length: int,
+        prefill_max_waiting: int | None = None,
     ) -> None:
         self.workload = workload
         self.engines = engines
@@ -104,6 +105,7 @@ class Simulation:
         self.decode = list(range(num_prefill, len(engines)))
         self.transfer = transfer
         self.threshold = max_local_prefill_length
+        self.max_waiting = prefill_max_waiting
         self.queued_tokens = [0] * len(engines)  # prompt tokens routed, not yet prefilled
         self.open = [0] * len(engines)  # requests routed, not finished
         self.stepping = [False] * len(engines)
@@ -111,7 +113,7 @@ class Simulation:
         self.arrived: dict[str, float] = {}
         self.tokens: dict[str, list[float]] = {}  # request id -> times of its tokens
         self.where: dict[str, int] = {}  # engine request id -> its engine
-        self.remote = self.local = 0
+        self.remote = self.local = self.busy = 0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
 
@@ -140,37 +142,31 @@ class Simulation:
         rid = str(i)
         self.arrived[rid], self.tokens[rid] = self.clock, []
         sampling = SamplingParams(max_tokens=out, ignore_eos=True)
-        if self.prefill:
-            d = min(self.decode, key=lambda w: (self.open[w], self.queued_tokens[w]))
-            cached = (
-                self.engines[d].num_cached_prefix_blocks(prompt) * self.engines[d].kv.block_size
-            )
-            if len(prompt) - cached > self.threshold:
-                p = self._least(self.prefill)
-                self.remote += 1
-                remote = KVTransferParams(do_remote_decode=True)
-                first = msgspec.structs.replace(sampling, max_tokens=1)
-                self._add(
-                    p,
-                    EngineRequest(
-                        request_id=rid, prompt_token_ids=prompt, sampling=first, kv_transfer=remote
-                    ),
-                    len(prompt),
-                )
-                return
-            self.local += 1
-            self._add(
-                d,
-                EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling),
-                len(prompt),
-            )
+        local = EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+        if not self.prefill:
+            self._add(self._least(self.decode), local, len(prompt))
             return
-        w = self._least(self.decode)
-        self._add(
-            w,
-            EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling),
-            len(prompt),
-        )
+        d = min(self.decode, key=lambda w: (self.open[w], self.queued_tokens[w]))
+        cached = self.engines[d].num_cached_prefix_blocks(prompt) * self.engines[d].kv.block_size
+        if len(prompt) - cached <= self.threshold:
+            self.local += 1
+            self._add(d, local, len(prompt))
+        elif self._prefill_busy():
+            self.busy += 1
+            self._add(d, local, len(prompt))
+        else:
+            self.remote += 1
+            first = msgspec.structs.replace(sampling, max_tokens=1)
+            remote = KVTransferParams(do_remote_decode=True)
+            request = msgspec.structs.replace(local, sampling=first, kv_transfer=remote)
+            self._add(self._least(self.prefill), request, len(prompt))
+
+    def _prefill_busy(self) -> bool:
+        """Whether every prefill worker has more than max_waiting requests waiting (the
+        frontend's busy rule, --busy-max-waiting: the request is then prefilled locally)."""
+        if self.max_waiting is None:
+            return False
+        return all(self.engines[p].num_waiting > self.max_waiting for p in self.prefill)
 
     def _add(self, w: int, request: EngineRequest, prompt_tokens: int) -> None:
         self.queued_tokens[w] += prompt_tokens
@@ -250,12 +246,13 @@ def run_once(
     threshold: int,
     slo_ttft: float,
     slo_itl: float,
+    prefill_max_waiting: int | None = None,
 ) -> dict:
     """One deployment (prefill 0: aggregated) over one workload: SLO attainment and more."""
     engines = [
         MockEngine(EngineConfig(model=str(model), seed=i), speedup=1e12) for i in range(gpus)
     ]
-    sim = Simulation(workload, engines, prefill, transfer, threshold)
+    sim = Simulation(workload, engines, prefill, transfer, threshold, prefill_max_waiting)
     results = sim.run()
     ok = sum(1 for ttft, itl in results if ttft <= slo_ttft and itl <= slo_itl)
     ttfts = sorted(t for t, _ in results)
@@ -267,6 +264,7 @@ def run_once(
         "itl_p90_ms": itls[int(0.9 * (len(itls) - 1))] * 1e3,
         "remote": sim.remote,
         "local": sim.local,
+        "local_busy": sim.busy,
     }
 
 
@@ -305,59 +303,82 @@ def goodput(run: Callable[[float], dict], start: float, attainment: float, tol: 
     }
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workload", choices=("uniform", "mooncake"), default="uniform")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--splits", default="all", help="prefill worker counts to try (all: 1..gpus-1)")
     p.add_argument("--requests", type=int, default=300, help="uniform: requests per run")
+    p.add_argument("--seeds", default="0", help="uniform: workload seeds, each searched apart")
     p.add_argument("--rows", default="0:600", help="mooncake: trace rows")
     p.add_argument("--trace", type=Path, default=MOONCAKE)
     p.add_argument("--transfer-gbps", type=float, default=50.0)
     p.add_argument("--max-local-prefill-length", type=int, default=1000)
+    p.add_argument(
+        "--prefill-max-waiting",
+        type=int,
+        default=None,
+        help="prefill locally when every prefill worker has more requests waiting (off)",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-itl-ms", type=float, default=25.0)
     p.add_argument("--attainment", type=float, default=0.9)
-    p.add_argument("--tolerance", type=float, default=0.1)
+    p.add_argument("--tolerance", type=float, default=0.03)
     p.add_argument("--start-rate", type=float, default=2.0)
     p.add_argument("--no-record", action="store_true")
-    args = p.parse_args()
+    return p
+
+
+def workloads(args: argparse.Namespace, vocab: int) -> dict[int, Callable[[float], Workload]]:
+    """Per seed, the workload at a given rate (the trace has one seed: its own)."""
+    if args.workload == "uniform":
+        seeds = [int(x) for x in args.seeds.split(",")]
+        return {s: functools.partial(uniform, vocab, n=args.requests, seed=s) for s in seeds}
+    start, end = parse_rows(args.rows)
+    entries = load_trace(args.trace, limit=end)[start:]
+    requests = synthesize(entries, TraceSynthesis(), vocab)
+    origin = entries[0].timestamp_ms
+    base = Workload("mooncake", requests, [(e.timestamp_ms - origin) / 1e3 for e in entries])
+    return {0: functools.partial(mooncake_at, base)}
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     model = tiny_model_dir(Path(tempfile.mkdtemp(prefix="disagg-sim-")))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    if args.workload == "uniform":
-        make = functools.partial(uniform, vocab, n=args.requests)
-    else:
-        start, end = parse_rows(args.rows)
-        entries = load_trace(args.trace, limit=end)[start:]
-        requests = synthesize(entries, TraceSynthesis(), vocab)
-        origin = entries[0].timestamp_ms
-        base = Workload("mooncake", requests, [(e.timestamp_ms - origin) / 1e3 for e in entries])
-        make = functools.partial(mooncake_at, base)
     transfer = TransferModel(bandwidth_gbps=args.transfer_gbps)
     splits = range(1, args.gpus) if args.splits == "all" else map(int, args.splits.split(","))
+    deployments = [0, *splits]
     rows = []
-    for prefill in [0, *splits]:
+    ratios = []
+    for seed, make in workloads(args, vocab).items():
+        found_by_split = {}
+        for prefill in deployments:
 
-        def run(rate: float, prefill: int = prefill) -> dict:
-            return run_once(
-                make(rate),
-                model,
-                args.gpus,
-                prefill,
-                transfer,
-                args.max_local_prefill_length,
-                args.slo_ttft_ms / 1e3,
-                args.slo_itl_ms / 1e3,
-            )
+            def run(rate: float, prefill: int = prefill, make=make) -> dict:
+                return run_once(
+                    make(rate),
+                    model,
+                    args.gpus,
+                    prefill,
+                    transfer,
+                    args.max_local_prefill_length,
+                    args.slo_ttft_ms / 1e3,
+                    args.slo_itl_ms / 1e3,
+                    args.prefill_max_waiting,
+                )
 
-        found = goodput(run, args.start_rate, args.attainment, args.tolerance)
-        name = "aggregated" if prefill == 0 else f"{prefill}P{args.gpus - prefill}D"
-        print(f"{name:>10}: goodput {found['goodput']:.2f} req/s", flush=True)
-        rows.append({"deployment": name, "prefill_workers": prefill, **found})
-    best = max(rows[1:], key=lambda r: r["goodput"])
-    agg = rows[0]["goodput"]
-    ratio = best["goodput"] / agg if agg else math.inf
-    print(f"best split {best['deployment']}: {ratio:.2f}x aggregated")
+            found = goodput(run, args.start_rate, args.attainment, args.tolerance)
+            name = "aggregated" if prefill == 0 else f"{prefill}P{args.gpus - prefill}D"
+            print(f"seed {seed} {name:>10}: goodput {found['goodput']:.2f} req/s", flush=True)
+            row = {"deployment": name, "prefill_workers": prefill, "seed": seed, **found}
+            rows.append(row)
+            found_by_split[name] = row
+        agg = found_by_split.pop("aggregated")["goodput"]
+        best = max(found_by_split.values(), key=lambda r: r["goodput"])
+        ratio = best["goodput"] / agg if agg else math.inf
+        ratios.append({"seed": seed, "best": best["deployment"], "best_over_aggregated": ratio})
+        print(f"seed {seed}: best split {best['deployment']}, {ratio:.2f}x aggregated", flush=True)
     if not args.no_record:
         record = {
             "bench": "disagg_sim",
@@ -365,8 +386,7 @@ def main() -> int:
             "args": {k: str(v) for k, v in vars(args).items()},
             "provenance": provenance(),
             "rows": rows,
-            "best": best["deployment"],
-            "best_over_aggregated": ratio,
+            "per_seed": ratios,
         }
         with (RESULTS / "disagg_sim.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
