@@ -6,8 +6,10 @@ Chunks are plain dicts encoded by msgspec; nothing per token goes through pydant
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+import types
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from contextlib import aclosing
+from typing import Any
 
 import msgspec
 from starlette.responses import StreamingResponse
@@ -179,9 +181,51 @@ def _prompt_logprobs(run: RequestRun, tracker: CompletionLogprobs, prompt: int) 
     return tracker.add(token_ids, logprobs, empty_completion_logprobs())
 
 
+FLUSH_BYTES = 1 << 16  # a burst of events longer than this is sent in parts
+
+
+@types.coroutine
+def _next_or_flush(
+    events: AsyncGenerator[bytes, None], flush: Callable[[], Awaitable[None]]
+) -> Generator[Any, Any, bytes]:
+    """anext(events), except that when the generator has to wait, flush() runs first.
+
+    Steps the generator by hand: what it has ready comes back without a flush, and the
+    moment it would wait (on the engine) the events gathered so far go out, then the wait
+    goes on as the generator asked. A failed or cancelled flush is thrown into the generator.
+    """
+    step = anext(events)
+    try:
+        wait = step.send(None)
+    except StopIteration as done:
+        return done.value
+    try:
+        yield from flush()
+    except BaseException as e:
+        try:
+            wait = step.throw(e)
+        except StopIteration as done:
+            return done.value
+    while True:
+        try:
+            sent = yield wait
+        except BaseException as e:
+            resume, arg = step.throw, e
+        else:
+            resume, arg = step.send, sent
+        try:
+            wait = resume(arg)
+        except StopIteration as done:
+            return done.value
+
+
 class SSEResponse(StreamingResponse):
     """Streams events until they end or the client disconnects; either way it then closes
-    the events and calls `on_close` (which closes the engine streams: an abort if running)."""
+    the events and calls `on_close` (which closes the engine streams: an abort if running).
+
+    Events that are ready together (several tokens of an engine step, or a backlog) go out
+    in one write; an event is never held back while the engine is awaited.
+    """
 
     media_type = "text/event-stream"
 
@@ -193,7 +237,19 @@ class SSEResponse(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        burst: list[bytes] = []
+        size = 0
+
+        async def flush() -> None:
+            nonlocal size
+            if burst:
+                body = b"".join(burst)
+                burst.clear()
+                size = 0
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+
         async def stream() -> None:
+            nonlocal size
             await send(
                 {
                     "type": "http.response.start",
@@ -201,9 +257,16 @@ class SSEResponse(StreamingResponse):
                     "headers": self.raw_headers,
                 }
             )
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            while True:
+                try:
+                    chunk = await _next_or_flush(self.events, flush)
+                except StopAsyncIteration:
+                    break
+                burst.append(chunk)
+                size += len(chunk)
+                if size >= FLUSH_BYTES:
+                    await flush()
+            await send({"type": "http.response.body", "body": b"".join(burst), "more_body": False})
 
         try:
             await until_disconnected(receive, stream())

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 LOST_HOLD = 10.0
 MIGRATION_LIMIT = 3  # Dynamo's --migration-limit default
 NEXT_TOKEN_TIMEOUT = 120.0  # seconds; generous, since a long prefill is legitimate
+QUEUED_BATCHES = 4  # per request: a reader that is this far ahead waits (backpressure)
 _END = object()
 
 
@@ -66,8 +67,9 @@ class WorkerClient:
     stream goes on without a gap.
 
     Each request-plane stream is read by a task of its own (a stream belongs to the task that
-    reads it), so callers may read the outputs from any task; the bounded queue between them
-    keeps the request plane's backpressure.
+    reads it), so callers may read the outputs from any task; it hands over every output that
+    has arrived at once, and the bounded queue between them keeps the request plane's
+    backpressure.
     """
 
     def __init__(
@@ -130,7 +132,7 @@ class WorkerClient:
     ) -> AsyncGenerator[EngineOutput, None]:
         rid = request.request_id
         tokens: list[list[int]] = [[] for _ in range(request.sampling.n)]
-        queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUED_BATCHES)
         legs: set[_Leg] = set()
         tried: set[str] = set()
         finished: set[int] = set()  # the client's sequences that have finished
@@ -143,24 +145,25 @@ class WorkerClient:
                 leg, item = await queue.get()
                 if leg not in legs:
                     continue  # a leg dropped already
-                if isinstance(item, EngineOutput):
-                    if item.error is not None:
-                        raise ValueError(item.error)
-                    if not leg.started:
-                        leg.started = True
-                        self.policy.first_token(leg.request.request_id)
-                    index = leg.indices[item.index]
-                    tokens[index] += item.new_token_ids
-                    if leg.request is request:
-                        cached = item.num_cached_tokens
-                    else:
-                        item.request_id, item.index, item.num_cached_tokens = rid, index, cached
-                        item.num_prompt_tokens = len(request.prompt_token_ids)
-                    if item.finished:
-                        leg.open -= 1
-                        finished.add(index)
-                    yielded = True
-                    yield item
+                if type(item) is list:
+                    for out in item:
+                        if out.error is not None:
+                            raise ValueError(out.error)
+                        if not leg.started:
+                            leg.started = True
+                            self.policy.first_token(leg.request.request_id)
+                        index = leg.indices[out.index]
+                        tokens[index] += out.new_token_ids
+                        if leg.request is request:
+                            cached = out.num_cached_tokens
+                        else:
+                            out.request_id, out.index, out.num_cached_tokens = rid, index, cached
+                            out.num_prompt_tokens = len(request.prompt_token_ids)
+                        if out.finished:
+                            leg.open -= 1
+                            finished.add(index)
+                        yielded = True
+                        yield out
                     continue
                 await self._drop(leg, legs)
                 if item is _END and not leg.open:
@@ -243,14 +246,18 @@ class WorkerClient:
             raise QueueFull(f"{e} for {self.busy_wait:g}s") from None
 
     async def _read(self, leg: _Leg, queue: asyncio.Queue) -> None:
-        """Put each output of the leg's stream on `queue`, then _END or the error; waiting
-        for the queue does not count against the next-token deadline."""
+        """Put the leg's outputs on `queue`, as many at a time as have arrived, then _END or
+        the error; waiting for the queue does not count against the next-token deadline."""
         limit = self.next_token_timeout
         try:
             stream = self.endpoint.generate(leg.instance, leg.request, next_timeout=limit)
             async with stream:
-                async for out in stream:
-                    await queue.put((leg, out))
+                while True:
+                    try:
+                        outs = await stream.batch()
+                    except StopAsyncIteration:
+                        break
+                    await queue.put((leg, outs))
             item = _END
         except StreamTimeoutError:
             item = NextTokenTimeout(f"no output from the worker for {limit:g}s")

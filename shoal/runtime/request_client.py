@@ -139,7 +139,19 @@ class ResponseStream(Generic[T]):
             except (asyncio.CancelledError, StreamTimeoutError):
                 self.cancel()
                 raise
-        payload = items.popleft()
+        return self._take()
+
+    async def batch(self) -> list[T]:
+        """The next response and every other one already received (at least one); raises
+        StopAsyncIteration or the stream's error as iteration does."""
+        out = [await self.__anext__()]
+        while self._items:
+            out.append(self._take())
+        return out
+
+    def _take(self) -> T:
+        """Decode the oldest received response, granting credit as responses are taken."""
+        payload = self._items.popleft()
         if not self._done:
             self._unacked += 1
             if self._unacked >= self._credit_every:

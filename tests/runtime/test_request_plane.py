@@ -93,6 +93,25 @@ def test_streams_many_responses_in_order() -> None:
     run(main())
 
 
+def test_batch_takes_every_response_received_and_keeps_the_window() -> None:
+    async def main() -> None:
+        server = await serving()
+        client = RequestClient(window=8)
+        stream = client.stream(server.address, ENDPOINT, request("a", 300), EngineOutput)
+        batches = []
+        with pytest.raises(StopAsyncIteration):
+            while True:
+                batches.append(await stream.batch())
+        outs = [o for b in batches for o in b]
+        assert [o.new_token_ids[0] for o in outs] == list(range(300))  # credit kept flowing
+        assert all(b for b in batches) and len(batches) < 300  # several arrived at once
+        assert max(len(b) for b in batches) <= 8  # never more than the window in flight
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
 def test_200_concurrent_streams_share_one_connection() -> None:
     async def main() -> None:
         gate = asyncio.Event()

@@ -1,0 +1,106 @@
+"""SSEResponse's writes: events ready together go out as one body, none waits on the engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shoal.frontend.disconnect import client_gone
+from shoal.frontend.streaming import FLUSH_BYTES, SSEResponse
+
+SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+
+
+def bodies(sent: list[dict]) -> list[tuple[bytes, bool]]:
+    assert sent[0]["type"] == "http.response.start"
+    return [(m["body"], m["more_body"]) for m in sent[1:]]
+
+
+async def never_disconnects() -> dict:
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}
+
+
+def serve(events, send, receive=never_disconnects) -> tuple[dict, list[str]]:
+    """Run an SSEResponse over `events` to its end; its scope and what was closed."""
+    closed: list[str] = []
+    scope = dict(SCOPE)
+
+    async def on_close() -> None:
+        closed.append("run")
+
+    async def main() -> None:
+        await SSEResponse(events, on_close)(scope, receive, send)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    return scope, closed
+
+
+def test_ready_events_share_a_write_and_none_waits_for_the_engine():
+    engine_step = asyncio.Event()
+    sent: list[dict] = []
+
+    async def events():
+        for i in range(3):
+            yield f"e{i};".encode()
+        await engine_step.wait()  # only the write of e0-e2 lets the engine go on
+        yield b"e3;"
+        yield b"e4;"
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if len(sent) == 2:
+            engine_step.set()
+
+    _, closed = serve(events(), send)
+    assert bodies(sent) == [(b"e0;e1;e2;", True), (b"e3;e4;", False)]
+    assert closed == ["run"]
+
+
+def test_a_long_burst_goes_out_in_parts():
+    part = b"x" * (FLUSH_BYTES // 2 + 1)
+    sent: list[dict] = []
+
+    async def events():
+        for _ in range(3):
+            yield part
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    serve(events(), send)
+    assert bodies(sent) == [(part + part, True), (part, False)]
+
+
+@pytest.mark.parametrize("stuck_write", [False, True])
+def test_a_client_that_leaves_closes_the_events_and_the_run(stuck_write):
+    """The client leaves while the events wait on the engine, or while a write is stuck (the
+    cancellation then reaches the events through the write)."""
+    left = asyncio.Event()
+    sent: list[dict] = []
+    ended: list[str] = []
+
+    async def events():
+        try:
+            yield b"first;"
+            await asyncio.Event().wait()
+            yield b"never;"
+        finally:
+            ended.append("events")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            left.set()
+            if stuck_write:
+                await asyncio.Event().wait()
+
+    async def receive() -> dict:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    scope, closed = serve(events(), send, receive)
+    assert bodies(sent) == [(b"first;", True)]
+    assert ended == ["events"] and closed == ["run"]
+    assert client_gone(scope["state"])
