@@ -10,8 +10,9 @@ whose working set is several times the GPU KV pool, with the host tier on and of
 copy: BlockCopier.save/load of batches of blocks between the KV cache and pinned host
 slots, in GB/s, next to one large pinned memcpy each way (the link's measured peak).
 multi-turn: C conversations of T turns (U new prompt tokens and O output tokens a turn),
-all conversations' turn t submitted together; the GPU pool is sized to 1/ratio of the
-final working set. TTFT p50/p99 (turns after the first) and output tok/s, tiers off and on.
+run as a closed loop with N turns in flight, each conversation's next turn queued behind
+every other conversation's; the GPU pool is sized to 1/ratio of the final working set.
+TTFT p50/p99 (turns after the first) and output tok/s, tiers off and on.
 policy: the multi-turn workload with the host tier on; the copies saving on store made
 (time in flush, after each step) against those saving on evict would have made (the
 blocks the GPU pool evicted each step, copied in the same batches before the step).
@@ -26,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -131,35 +133,49 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]
 
 
 def multi_turn(engine: LLMEngine, args: argparse.Namespace, vocab: int, on_step=None) -> dict:
-    """Run the conversations turn by turn; TTFT of later turns and output throughput."""
+    """Closed loop over the conversations: `concurrency` turns in flight; a finished turn
+    sends its conversation to the back of the line, so every other conversation takes a turn
+    before it returns (its prefix has left the GPU pool by then). TTFT of later turns, and
+    output throughput."""
     turns = conversations(args, vocab)
     history: list[list[int]] = [[] for _ in turns]
+    next_turn = [0] * len(turns)
+    line = deque(range(len(turns)))
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
+    submitted: dict[str, float] = {}
+    in_flight: set[str] = set()
     ttfts: list[float] = []
     out_tokens = 0
+
+    def submit() -> None:
+        c = line.popleft()
+        t = next_turn[c]
+        next_turn[c] += 1
+        history[c] = history[c] + turns[c][t]
+        rid = f"{c}-{t}"
+        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=history[c], sampling=sp))
+        submitted[rid] = time.perf_counter()
+        in_flight.add(rid)
+
     start = time.perf_counter()
-    for t in range(args.turns):
-        added: dict[str, float] = {}
-        for c, conv in enumerate(turns):
-            history[c] = history[c] + conv[t]
-            rid = f"{c}-{t}"
-            engine.add_request(
-                EngineRequest(request_id=rid, prompt_token_ids=history[c], sampling=sp)
-            )
-            added[rid] = time.perf_counter()
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            now = time.perf_counter()
-            if on_step is not None:
-                on_step(engine)
-            for out in outputs:
-                c = int(out.request_id.split("-")[0])
-                history[c] = history[c] + list(out.new_token_ids)
-                out_tokens += len(out.new_token_ids)
-                if out.request_id in added and out.new_token_ids:
-                    if t > 0:
-                        ttfts.append(now - added[out.request_id])
-                    del added[out.request_id]
+    while line or in_flight:
+        while line and len(in_flight) < args.concurrency:
+            submit()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if on_step is not None:
+            on_step(engine)
+        for out in outputs:
+            c, t = (int(x) for x in out.request_id.split("-"))
+            history[c] = history[c] + list(out.new_token_ids)
+            out_tokens += len(out.new_token_ids)
+            first = submitted.pop(out.request_id, None) if out.new_token_ids else None
+            if first is not None and t > 0:
+                ttfts.append(now - first)
+            if out.finished:
+                in_flight.discard(out.request_id)
+                if next_turn[c] < args.turns:
+                    line.append(c)
     wall = time.perf_counter() - start
     ttfts.sort()
     return {
@@ -255,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=8, help="turns in flight")
     parser.add_argument("--turn-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--ratio", type=float, default=3.5, help="working set / GPU pool")
