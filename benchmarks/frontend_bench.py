@@ -182,12 +182,14 @@ def request_bytes(port: int, max_tokens: int, prompt_words: int) -> bytes:
     return head.encode() + body
 
 
-async def stream_once(reader, writer, request: bytes, times: list[float] | None) -> int:
-    """Send one streamed request on a kept-alive connection; its completion tokens. With
-    `times`, append the arrival time of each token event (one per read that holds any)."""
+async def stream_once(reader, writer, request: bytes, times: list[float] | None) -> tuple[int, int]:
+    """Send one streamed request on a kept-alive connection; its completion tokens and SSE
+    events. With `times`, append the arrival time of each token event (one per read that
+    holds any)."""
     writer.write(request)
     tail = b""
     headers_done = False
+    events = 0
     while True:
         data = await reader.read(1 << 16)
         if not data:
@@ -203,9 +205,10 @@ async def stream_once(reader, writer, request: bytes, times: list[float] | None)
             headers_done, tail = True, b""
         if times is not None and b'"text"' in data:
             times.extend([now] * data.count(b'"text"'))
+        events += (tail[-1:] + data).count(b"\n\n")  # an event ends in a blank line
         tail = (tail + data)[-512:]
         if tail.endswith(END):
-            return int(USAGE.findall(tail)[-1])
+            return int(USAGE.findall(tail)[-1]), events
 
 
 async def latency(port: int, args: argparse.Namespace) -> dict:
@@ -235,21 +238,22 @@ async def latency(port: int, args: argparse.Namespace) -> dict:
 async def ceiling(port: int, args: argparse.Namespace, deployment: Deployment) -> dict:
     """--concurrency streams for --duration s: tokens/s delivered and CPU per process."""
     request = request_bytes(port, args.max_tokens, args.prompt_words)
-    tokens = 0
+    tokens = events = 0
     stop_at = 0.0
 
     async def client() -> None:
-        nonlocal tokens
+        nonlocal tokens, events
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         while time.perf_counter() < stop_at:
-            got = await stream_once(reader, writer, request, None)
+            got, sse = await stream_once(reader, writer, request, None)
             if time.perf_counter() <= stop_at:
                 tokens += got
+                events += sse
         writer.close()
 
     stop_at = time.perf_counter() + args.warmup_s
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
-    tokens = 0
+    tokens = events = 0
     before, client_before = deployment.cpu(), time.process_time()
     start = time.perf_counter()
     stop_at = start + args.duration
@@ -261,6 +265,7 @@ async def ceiling(port: int, args: argparse.Namespace, deployment: Deployment) -
     # underestimate, at most one stream length per client.
     return {
         "tokens_per_s": tokens / wall,
+        "events_per_s": events / wall,
         "wall_s": wall,
         "frontend_cpu_s": cpu["frontend"],
         "workers_cpu_s": cpu["workers"],

@@ -69,7 +69,7 @@ class WorkerClient:
     Each request-plane stream is read by a task of its own (a stream belongs to the task that
     reads it), so callers may read the outputs from any task; it hands over every output that
     has arrived at once, and the bounded queue between them keeps the request plane's
-    backpressure.
+    backpressure. The outputs of one sequence handed over together are merged into one.
     """
 
     def __init__(
@@ -146,7 +146,7 @@ class WorkerClient:
                 if leg not in legs:
                     continue  # a leg dropped already
                 if type(item) is list:
-                    for out in item:
+                    for out in _coalesce(item):
                         if out.error is not None:
                             raise ValueError(out.error)
                         if not leg.started:
@@ -264,6 +264,29 @@ class WorkerClient:
         except Exception as e:
             item = e
         await queue.put((leg, item))
+
+
+def _coalesce(outs: list[EngineOutput]) -> list[EngineOutput]:
+    """Outputs that arrived together, one per sequence: a stream the frontend has fallen
+    behind on moves on in fewer, longer chunks (as vLLM's do) rather than token by token.
+    Errors are left as they came."""
+    if len(outs) == 1:
+        return outs
+    merged: dict[int, EngineOutput] = {}
+    for out in outs:
+        if out.error is not None:
+            return outs
+        into = merged.setdefault(out.index, out)
+        if into is out:
+            continue
+        into.new_token_ids += out.new_token_ids
+        if out.new_logprobs is not None:
+            into.new_logprobs = (into.new_logprobs or []) + out.new_logprobs
+        if into.prompt_logprobs is None:
+            into.prompt_logprobs = out.prompt_logprobs
+        into.finish_reason, into.stop_reason = out.finish_reason, out.stop_reason
+        into.kv_transfer = out.kv_transfer or into.kv_transfer
+    return list(merged.values())
 
 
 def _continuations(

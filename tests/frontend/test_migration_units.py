@@ -16,8 +16,15 @@ import pytest
 from shoal.frontend import NoWorkerAvailable, WorkerFailed
 from shoal.frontend.engine_client import QueueFull
 from shoal.frontend.generation import engine_request_id
-from shoal.frontend.worker_client import WorkerClient
-from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, ModelCard, SamplingParams
+from shoal.frontend.worker_client import WorkerClient, _coalesce
+from shoal.protocol import (
+    GENERATE_ENDPOINT,
+    EngineOutput,
+    EngineRequest,
+    ModelCard,
+    SamplingParams,
+    TokenLogprob,
+)
 from shoal.router.kv_router import AllWorkersBusy
 from shoal.router.policies import Policy
 from shoal.runtime import DistributedRuntime, MemoryDiscovery
@@ -280,3 +287,64 @@ def test_options_are_checked():
 def test_engine_request_ids_are_unique_whatever_the_given_id():
     ids = {engine_request_id("same") for _ in range(1000)}
     assert len(ids) == 1000 and all(i.startswith("same@") for i in ids)
+
+
+def test_outputs_that_arrive_together_merge_per_sequence():
+    def out(index: int, token: int, finish: str | None = None) -> EngineOutput:
+        lp = TokenLogprob(token_ids=[token], logprobs=[-0.5], ranks=[1])
+        return EngineOutput(
+            request_id="r",
+            index=index,
+            new_token_ids=[token],
+            new_logprobs=[lp],
+            prompt_logprobs=[None] if token == 0 else None,
+            finish_reason=finish,
+            stop_reason=7 if finish else None,
+        )
+
+    merged = _coalesce([out(0, 0), out(1, 10), out(0, 1), out(1, 11), out(0, 2, "stop")])
+    assert [(m.index, m.new_token_ids) for m in merged] == [(0, [0, 1, 2]), (1, [10, 11])]
+    first, second = merged
+    assert [lp.token_ids[0] for lp in first.new_logprobs] == [0, 1, 2]
+    assert first.prompt_logprobs == [None] and second.prompt_logprobs is None
+    assert (first.finish_reason, first.stop_reason) == ("stop", 7)
+    assert second.finish_reason is None
+    error = EngineOutput(request_id="r", finish_reason="error", error="bad")
+    assert _coalesce([out(0, 0), error]) == [out(0, 0), error]  # errors stay as they came
+
+
+def test_a_consumer_that_falls_behind_gets_every_token_once():
+    finished = asyncio.Event()
+
+    async def burst(req: EngineRequest) -> AsyncIterator[EngineOutput]:
+        for step in range(40):
+            for i in range(req.sampling.n):
+                last = step == 39
+                yield EngineOutput(
+                    request_id=req.request_id,
+                    index=i,
+                    new_token_ids=[100 * i + step],
+                    finish_reason="length" if last else None,
+                )
+        finished.set()
+
+    async def main():
+        discovery = MemoryDiscovery(MemoryRegistry())
+        worker = DistributedRuntime(discovery, instance_id="w0")
+        frontend = DistributedRuntime(discovery)
+        try:
+            await worker.serve_endpoint(GENERATE_ENDPOINT, burst, EngineRequest, card=CARD)
+            client = await WorkerClient(frontend).start()
+            await client.endpoint.wait_for_instances(1, timeout=5)
+            stream = client.generate(MODEL, request(n=2, max_tokens=40))
+            outputs = [await anext(stream)]
+            await asyncio.wait_for(finished.wait(), 5)  # behind by the whole answer
+            outputs += [o async for o in stream]
+            return outputs
+        finally:
+            await frontend.close()
+            await worker.close()
+
+    outputs = run(main())
+    assert tokens_by_index(outputs, 2) == [list(range(40)), list(range(100, 140))]
+    assert [o.index for o in outputs if o.finished] in ([0, 1], [1, 0])
