@@ -34,11 +34,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1"),
-            (
-                self.tensor_parallel_size == 1 or not self.kv_offload_cpu_gb,
-                "kv_offload_cpu_gb",
-                "is not supported with tensor_parallel_size > 1 yet",
-            ),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1"),
             (self.block_size >= 1, "block_size", "must be at least 1"),

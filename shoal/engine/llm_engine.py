@@ -11,12 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
+from shoal.engine.config import EngineConfig
 from shoal.engine.device import engine_device
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.kv_offload import OffloadConfig, OffloadManager, admit
 from shoal.engine.model_runner import ModelRunner, StepHandle, kv_bytes_per_block
 from shoal.engine.parallel.executor import Followers, RankDiedError
+from shoal.engine.parallel.group import OffloadCommand
+from shoal.engine.parallel.kv_shards import from_bytes, join_heads, split_heads, to_bytes
+from shoal.engine.parallel.memory import (
+    begin_profile,
+    configured_kv_budget,
+    measure_kv_budget,
+    profiles_memory,
+)
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from shoal.kv_hash import extra_key, hash_blocks
@@ -34,11 +42,6 @@ from shoal.protocol import (
 
 log = logging.getLogger(__name__)
 
-# left free beyond the measured peak: what the profile cannot see, i.e. kernels first loaded
-# by later batch shapes and the allocator's rounding of the real cache and activations (an
-# H100 run of tests/engine/test_gpu_memory.py peaked 12 MiB above the measurement)
-PROFILE_HEADROOM_BYTES = 256 * 2**20
-
 
 @dataclass
 class _Step:
@@ -48,6 +51,22 @@ class _Step:
     starts: list[int]  # each sequence's num_computed_tokens before the step
     handle: StepHandle | None = None
     needs_history: bool = False  # a sequence it samples uses penalties or a grammar
+
+
+def fewest_kv_blocks(counts: list[int], per_block: int) -> int:
+    """The KV pool size every rank can hold: the fewest blocks any rank has room for
+    (counts: each rank's, rank 0 first); raises if that is none."""
+    num_blocks = min(counts)
+    rank = counts.index(num_blocks)
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache memory of tensor-parallel rank {rank} holds no block of {per_block} bytes"
+            if len(counts) > 1
+            else f"KV cache memory holds no block of {per_block} bytes"
+        )
+    if len(set(counts)) > 1:
+        log.info("KV cache: %d blocks a rank, set by rank %d (ranks: %s)", num_blocks, rank, counts)
+    return num_blocks
 
 
 def profile_prompt_lengths(max_batched_tokens: int, max_seqs: int, max_model_len: int) -> list[int]:
@@ -157,6 +176,16 @@ class LLMEngine:
         pin = self.device.type == "cuda"
         self.kv.offload = OffloadManager(tiers, self.kv, shape, caches[0].dtype, pin)
         self.kv.offload.bind(caches)
+        if self.followers is not None:
+            disk = self.kv.offload.disk
+            self.followers.attach_offload(
+                OffloadCommand(
+                    self.kv.offload.host.capacity,
+                    tiers.disk_path,
+                    0 if disk is None else disk.capacity,
+                )
+            )
+            self.kv.offload.mirror = self.followers
         log.info(
             "KV offload: host tier %d blocks%s",
             self.kv.offload.host.capacity,
@@ -175,6 +204,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.tp: TPGroup = TPGroup()  # this process's rank: 0 of tensor_parallel_size
         self.followers: Followers | None = None  # the other ranks
+        self.kv_blocks_by_rank: list[int] | None = None  # each rank's room, when measured
         self._grammars = None  # GrammarCompilerPool, built for the first structured request
 
     def _init_core(self, num_blocks: int) -> None:
@@ -220,30 +250,33 @@ class LLMEngine:
         return wanted or limit
 
     def _num_kv_blocks(self, model: torch.nn.Module) -> int:
-        cfg, config = self.model_config, self.config
+        """KV blocks per rank: as set, else the fewest any rank has room for (each rank
+        measures its own, so none holds more than it can)."""
+        config = self.config
         if config.num_gpu_blocks is not None:
             return config.num_gpu_blocks
-        per_block = kv_bytes_per_block(cfg, config.block_size, cfg.dtype, self.tp)
-        budget = config.kv_cache_memory_bytes
-        if budget is None and self.device.type == "cuda":
-            budget = self._profile_kv_budget(model)
-        if budget is None:
-            budget = CPU_KV_CACHE_BYTES
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV cache memory {budget} bytes holds no block of {per_block} bytes")
-        return num_blocks
+        per_block = kv_bytes_per_block(
+            self.model_config, config.block_size, self.model_config.dtype, self.tp
+        )
+        if profiles_memory(config, self.device):
+            counts = self._profile_kv_blocks(model, per_block)
+        else:
+            counts = [configured_kv_budget(config) // per_block]
+            if self.followers is not None:
+                counts += self.followers.measure_kv_blocks()
+        self.kv_blocks_by_rank = counts
+        return fewest_kv_blocks(counts, per_block)
 
-    def _profile_kv_budget(self, model: torch.nn.Module) -> int:
-        """GPU bytes left for the KV cache: the utilization share less memory used outside
-        this process's torch and less all the engine holds at its peak apart from the cache.
+    def _profile_kv_blocks(self, model: torch.nn.Module, per_block: int) -> list[int]:
+        """The KV blocks each rank has room for (rank 0 first), measured on its GPU: the
+        utilization share less memory used outside the process's torch and less all the
+        rank holds at its peak apart from the cache.
 
         That peak is measured, not estimated: the engine is built over a scratch KV pool
         just big enough for its largest step, captures its decode graphs, runs that step
         through `step` and is taken down again. The scratch pool is not counted.
         """
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        begin_profile(self.device)
         prompts = profile_prompt_lengths(
             self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len
         )
@@ -251,27 +284,22 @@ class LLMEngine:
         self._build(model, blocks)
         self._capture_graphs()
         self._run_profile_step(prompts)
-        torch.cuda.synchronize(self.device)
-        per_block = kv_bytes_per_block(
-            self.model_config, self.config.block_size, self.model_config.dtype, self.tp
+        profile = measure_kv_budget(
+            self.device, self.config.gpu_memory_utilization, blocks * per_block
         )
-        held = torch.cuda.max_memory_reserved(self.device) - blocks * per_block
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        theirs = self.followers.measure_kv_blocks() if self.followers is not None else []
         self._take_down(model)
-        budget = int(total * self.config.gpu_memory_utilization) - held - outside_torch
-        budget -= PROFILE_HEADROOM_BYTES
         log.info(
             "GPU memory: total %.1f GiB; weights, buffers, graphs and the largest step "
             "(%d tokens in %d sequences) %.2f GiB; outside torch %.2f GiB -> KV cache %.2f GiB",
-            total / 2**30,
+            profile.total / 2**30,
             sum(prompts),
             len(prompts),
-            held / 2**30,
-            outside_torch / 2**30,
-            budget / 2**30,
+            profile.held / 2**30,
+            profile.outside_torch / 2**30,
+            profile.budget / 2**30,
         )
-        return budget
+        return [max(profile.budget, 0) // per_block, *theirs]
 
     def _run_profile_step(self, prompt_lengths: list[int]) -> None:
         """One step of every prompt at once, each sampled with every filter and 20 logprobs
@@ -601,8 +629,13 @@ class LLMEngine:
         params = self.pinned.get(request_id)
         if params is None:
             raise ValueError(f"no KV blocks pinned for request {request_id!r}")
-        self._check_single_rank("KV transfer")
-        return self.runner.read_blocks(params.block_ids[first : first + count])
+        block_ids = params.block_ids[first : first + count]
+        own = self.runner.read_blocks(block_ids)
+        if self.followers is None:
+            return own
+        replies = self.followers.read_kv(block_ids)
+        shards = [from_bytes(raw, own.dtype, own.shape) for raw in replies]
+        return join_heads([own, *shards], self.model_config)
 
     def num_cached_prefix_blocks(self, token_ids: list[int], lora_id: int | None = None) -> int:
         """Leading full blocks of these tokens held in the prefix cache now."""
@@ -612,7 +645,6 @@ class LLMEngine:
     def stage_kv(self, request_id: str, first_block: int, data: torch.Tensor) -> None:
         """Hold the prompt KV from block first_block on for the request about to be added
         under this id (its prompt: the prefill's prompt and first token)."""
-        self._check_single_rank("KV transfer")
         self._staged[request_id] = (first_block, data)
 
     def _admit_injected(self) -> None:
@@ -643,7 +675,7 @@ class LLMEngine:
             return True
         ids = self.kv.block_ids(seq)[len(hits) : total]
         if ids:
-            self.runner.write_blocks(ids, data[:, :, len(hits) - first :])
+            self._write_kv(ids, data[:, :, len(hits) - first :])
         seq.num_computed_tokens = n
         seq.num_cached_tokens = len(hits) * size
         seq.status = RequestStatus.RUNNING
@@ -652,9 +684,14 @@ class LLMEngine:
         self.num_kv_injected += 1
         return True
 
-    def _check_single_rank(self, what: str) -> None:
-        if self.tp.size > 1:
-            raise ValueError(f"{what} with tensor_parallel_size > 1 is not supported yet")
+    def _write_kv(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite these blocks with whole blocks' KV (KVLayout's), each rank its heads."""
+        if self.followers is None:
+            self.runner.write_blocks(block_ids, data)
+            return
+        own, *theirs = split_heads(data, self.model_config, self.tp.size)
+        self.followers.write_kv(block_ids, [to_bytes(shard) for shard in theirs])
+        self.runner.write_blocks(block_ids, own)
 
     # ---- state for the serving layer
 

@@ -42,10 +42,19 @@ class BlockCopier:
     """Moves blocks between per-layer caches [2, blocks, block_size, heads, head_dim] and
     host blocks [layers, 2, block_size, heads, head_dim]."""
 
-    def __init__(self, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor], in_order: bool = False) -> None:
+        """in_order: keep the copies in order with the device's work (a tensor-parallel
+        follower, which cannot poll): a save waits for the steps queued before it, and the
+        steps queued after a load wait for it."""
         self.caches = kv_caches
         self.device = kv_caches[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.in_order = in_order and self.stream is not None
+
+    def synchronize(self) -> None:
+        """Wait for every copy started so far."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def _events(self) -> tuple:
         if self.stream is None:
@@ -64,6 +73,8 @@ class BlockCopier:
         """Copy these device blocks into these slots of the host buffer. The blocks must
         hold their final KV already (the step that wrote them is complete)."""
         started = time.perf_counter()
+        if self.in_order:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             begin, end = self._events()
             index = to_device(block_ids, torch.int64, self.device)
@@ -98,4 +109,7 @@ class BlockCopier:
                     blocks[i].copy_(src, non_blocking=True)
             for layer, cache in enumerate(self.caches):
                 cache.index_copy_(1, index, blocks[:, layer].transpose(0, 1))
-            return self._finish(started, begin, end)
+            job = self._finish(started, begin, end)
+        if self.in_order:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return job

@@ -8,7 +8,9 @@ tier evicts least recently used blocks for room; with a disk tier they are writt
 (in a background thread), else dropped. Each tier keeps its own LRU order and capacity.
 
 Onboarding at admission is shoal.engine.kv_offload.onboard. Every change of a tier is a
-KV event in the pool's event list, with `medium` CPU or DISK.
+KV event in the pool's event list, with `medium` CPU or DISK. Under tensor parallelism
+this manager is rank 0's and its `mirror` has the other ranks copy their shards
+(shoal.engine.kv_offload.shard).
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from shoal.engine.block_pool import KVBlock
 from shoal.engine.kv_offload.copier import BlockCopier, Job
 from shoal.engine.kv_offload.disk import DiskTier
 from shoal.engine.kv_offload.host import BlockMeta, HostEntry, HostTier
+from shoal.engine.kv_offload.shard import (
+    ClearOp,
+    ForgetOp,
+    LoadOp,
+    SaveOp,
+    SpillOp,
+    TierMirror,
+    TierOp,
+)
 from shoal.engine.kv_offload.stats import MEDIUM_CPU, MEDIUM_DISK, TierStats
 from shoal.protocol import BlockRemoved, BlockStored
 
@@ -68,6 +79,8 @@ class OffloadManager:
         self.queue: list[tuple[KVBlock, BlockMeta]] = []  # stored, not yet being saved
         self.saves: deque[tuple[Job, list[KVBlock], list[HostEntry]]] = deque()
         self.loads: list[Onboarding] = []  # requests waiting for their blocks to arrive
+        self.mirror: TierMirror | None = None  # the other tensor-parallel ranks, if any
+        self._ops: list[TierOp] = []  # copies the other ranks are yet to be told of
 
     def bind(self, kv_caches: list[torch.Tensor]) -> None:
         """Copy blocks to and from these per-layer caches (the model runner's)."""
@@ -131,8 +144,11 @@ class OffloadManager:
             entries.append(entry)
         if blocks:
             slots = [e.slot for e in entries]
-            job = self.copier.save([b.block_id for b in blocks], self.host.buffer, slots)
+            block_ids = [b.block_id for b in blocks]
+            self._mirror(SaveOp(block_ids, slots))
+            job = self.copier.save(block_ids, self.host.buffer, slots)
             self.saves.append((job, blocks, entries))
+        self._send_ops()
         self.poll()
 
     def poll(self) -> None:
@@ -163,6 +179,8 @@ class OffloadManager:
             if lost:
                 self.stats[MEDIUM_DISK].evicted += len(lost)
                 self._removed([m.block_hash for m in lost], MEDIUM_DISK)
+                self._queue(ForgetOp([m.block_hash for m in lost]))
+            self._queue(SpillOp(entry.slot, entry.meta.block_hash))
             self.stats[MEDIUM_DISK].stored += 1
             self._announce([entry.meta], MEDIUM_DISK)
 
@@ -184,29 +202,69 @@ class OffloadManager:
     def read(
         self, block_hashes: list[int], media: list[str]
     ) -> tuple[list[torch.Tensor], list[HostEntry]]:
-        """Each block's KV on the host, stopping at the first that cannot be read; the host
-        entries among them are pinned (unpin once copied)."""
+        """Each block's KV on the host, stopping at the first that cannot be read (by any
+        rank); the host entries among them are pinned (unpin once copied)."""
+        found: list[torch.Tensor | None] = []  # a disk block's KV; None: in the host tier
+        for h, medium in zip(block_hashes, media, strict=True):
+            if medium == MEDIUM_CPU:
+                found.append(None)
+                continue
+            t0 = time.perf_counter()
+            data = self.disk.read(h)
+            if data is None:
+                self._disk_miss(h)
+                break
+            self.stats[MEDIUM_DISK].read_seconds += time.perf_counter() - t0
+            found.append(data)
+        found = found[: self._readable_everywhere(block_hashes[: len(found)], found)]
         sources: list[torch.Tensor] = []
         entries: list[HostEntry] = []
-        for h, medium in zip(block_hashes, media, strict=True):
-            stats = self.stats[medium]
-            if medium == MEDIUM_CPU:
+        for h, data in zip(block_hashes, found, strict=False):
+            stats = self.stats[MEDIUM_CPU if data is None else MEDIUM_DISK]
+            if data is None:
                 entry = self.host.get(h)
                 entry.pins += 1
                 entries.append(entry)
-                sources.append(self.host.buffer[entry.slot])
-            else:
-                t0 = time.perf_counter()
-                data = self.disk.read(h)
-                if data is None:
-                    stats.misses += 1
-                    self._removed([h], MEDIUM_DISK)
-                    break
-                stats.read_seconds += time.perf_counter() - t0
-                sources.append(data)
+                data = self.host.buffer[entry.slot]
+            sources.append(data)
             stats.hits += 1
             stats.bytes_read += self.block_bytes
         return sources, entries
+
+    def _readable_everywhere(self, block_hashes: list[int], found: list) -> int:
+        """How many leading blocks of those rank 0 found every rank can read: the other
+        ranks read their shards of the disk blocks among them."""
+        on_disk = [h for h, data in zip(block_hashes, found, strict=True) if data is not None]
+        if self.mirror is None or not on_disk:
+            return len(found)
+        self._send_ops()
+        readable = self.mirror.read_disk(on_disk)
+        if readable == len(on_disk):
+            return len(found)
+        bad = on_disk[readable]
+        self.disk.remove(bad)
+        self._disk_miss(bad)
+        return block_hashes.index(bad)
+
+    def _disk_miss(self, block_hash: int) -> None:
+        """A disk block that could not be read (it has left the tier)."""
+        self.stats[MEDIUM_DISK].misses += 1
+        self._removed([block_hash], MEDIUM_DISK)
+        self._queue(ForgetOp([block_hash]))
+
+    def load(
+        self,
+        block_hashes: list[int],
+        sources: list[torch.Tensor],
+        entries: list[HostEntry],
+        block_ids: list[int],
+    ) -> Job:
+        """Copy blocks that read() returned (sources, entries) into these GPU blocks."""
+        if self.mirror is not None:
+            slots = {e.meta.block_hash: e.slot for e in entries}
+            disk = [h for h in block_hashes if h not in slots]
+            self._mirror(LoadOp(block_ids, [slots.get(h, -1) for h in block_hashes], disk))
+        return self.copier.load(sources, block_ids)
 
     def cancel(self, request: Request) -> bool:
         """Abort a request whose blocks are being onboarded (its blocks are freed once the
@@ -225,11 +283,29 @@ class OffloadManager:
         self.host.clear()
         if self.disk is not None:
             self.disk.clear()
+            self._mirror(ClearOp())
         return True
 
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
+    # ---- the other tensor-parallel ranks
+
+    def _queue(self, op: TierOp) -> None:
+        """A copy for the other ranks to make (sent with the next one that is sent now)."""
+        if self.mirror is not None:
+            self._ops.append(op)
+
+    def _mirror(self, op: TierOp) -> None:
+        """Have the other ranks make this copy after those queued, now."""
+        self._queue(op)
+        self._send_ops()
+
+    def _send_ops(self) -> None:
+        if self._ops:
+            self.mirror.send_tier_ops(self._ops)
+            self._ops = []
 
     # ---- KV events
 

@@ -118,5 +118,5 @@ def _start(manager: OffloadManager, request: Request) -> Onboarding | None:
     request.num_computed_tokens = gpu * size
     kv.allocate_slots(request, len(sources) * size)
     block_ids = kv.block_ids(request)[gpu : gpu + len(sources)]
-    job = manager.copier.load(sources, block_ids)
+    job = manager.load(hashes[gpu : gpu + len(sources)], sources, entries, block_ids)
     return Onboarding(request, job, (gpu + len(sources)) * size, entries)

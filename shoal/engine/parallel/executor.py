@@ -26,13 +26,22 @@ import torch
 import torch.distributed as dist
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.kv_offload.shard import TierOp, encode_ops
 from shoal.engine.parallel.group import (
     BUILD,
     CAPTURE,
+    DISK_READ,
+    MEASURE,
+    OFFLOAD,
     QUIT,
+    READ_KV,
     STEP,
     TAKE_DOWN,
+    TIER_OPS,
+    WRITE_KV,
+    BlocksCommand,
     BuildCommand,
+    OffloadCommand,
     init_group,
     rank_device,
 )
@@ -41,6 +50,7 @@ from shoal.engine.parallel.plan import StepPlan, encode_plan
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0  # a follower's time to load its shard
+REPLY_TIMEOUT_S = 300.0  # a follower's time to answer a command that has a reply
 GPU_EXIT_GRACE_S = 5.0  # a rank died on GPUs: the time left to the engine before it exits
 DEATH_NOTICE_S = 3.0  # after a failed collective, how long a follower's death may take to show
 
@@ -116,6 +126,36 @@ class Followers:
     def send_step(self, plan: StepPlan) -> None:
         self._send(STEP + encode_plan(plan))
 
+    def measure_kv_blocks(self) -> list[int]:
+        """The KV blocks each follower has room for (rank 1 first), as it measured them
+        (on GPUs: during the profile step, before take_down)."""
+        replies = self._ask(MEASURE)
+        return [msgspec.msgpack.decode(r, type=int) for r in replies]
+
+    def attach_offload(self, command: OffloadCommand) -> None:
+        """Give every follower its shard of the lower KV tiers (rank 0's capacities)."""
+        self._send(OFFLOAD + msgspec.msgpack.encode(command))
+
+    def send_tier_ops(self, ops: list[TierOp]) -> None:
+        """Have every follower make these tier copies on its shard, in order (TierMirror)."""
+        self._send(TIER_OPS + encode_ops(ops))
+
+    def read_disk(self, block_hashes: list[int]) -> int:
+        """Have every follower read its shard of these disk blocks; the fewest leading
+        blocks any could read (TierMirror)."""
+        replies = self._ask(DISK_READ + msgspec.msgpack.encode(block_hashes))
+        return min(msgspec.msgpack.decode(r, type=int) for r in replies)
+
+    def read_kv(self, block_ids: list[int]) -> list[bytes]:
+        """Each follower's shard of these KV blocks (rank 1 first), as bytes."""
+        return self._ask(READ_KV + msgspec.msgpack.encode(BlocksCommand(block_ids)))
+
+    def write_kv(self, block_ids: list[int], shards: list[bytes]) -> None:
+        """Overwrite these KV blocks with each follower's shard (rank 1 first)."""
+        self._send_each(
+            [WRITE_KV + msgspec.msgpack.encode(BlocksCommand(block_ids, s)) for s in shards]
+        )
+
     def check(self) -> None:
         """Raise RankDiedError if a follower has died."""
         if self.failure is None:
@@ -155,13 +195,35 @@ class Followers:
             dist.destroy_process_group()
 
     def _send(self, message: bytes) -> None:
+        self._send_each([message] * len(self.pipes))
+
+    def _send_each(self, messages: list[bytes]) -> None:
+        """Send each follower its message (rank 1 first)."""
         self.check()
         try:
-            for pipe in self.pipes:
+            for pipe, message in zip(self.pipes, messages, strict=True):
                 pipe.send_bytes(message)
         except OSError as e:
             self.check()
             raise RankDiedError(f"a tensor-parallel rank is gone: {e!r}") from e
+
+    def _ask(self, message: bytes) -> list[bytes]:
+        """Send every follower a command that has a reply; the replies, rank 1 first."""
+        self._send(message)
+        replies: dict[Connection, bytes] = {}
+        sentinels = [p.sentinel for p in self.processes]
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while len(replies) < len(self.pipes):
+            waiting = [p for p in self.pipes if p not in replies]
+            ready = wait([*waiting, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RankDiedError("a tensor-parallel rank did not answer in time")
+            for pipe in waiting:
+                if pipe in ready:
+                    replies[pipe] = pipe.recv_bytes()
+            if len(replies) < len(self.pipes):
+                self.check()
+        return [replies[p] for p in self.pipes]
 
     def _watch(self) -> None:
         pending = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, start=1)}

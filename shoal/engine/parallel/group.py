@@ -21,8 +21,26 @@ class BuildCommand(msgspec.Struct, array_like=True):
     enforce_eager: bool
 
 
+class OffloadCommand(msgspec.Struct, array_like=True):
+    """A follower's lower KV tiers: its shard of rank 0's host slots and disk files."""
+
+    host_capacity: int
+    disk_path: str | None
+    disk_capacity: int
+
+
+class BlocksCommand(msgspec.Struct, array_like=True):
+    """KV blocks a follower reads out (data empty) or overwrites with its shard of data."""
+
+    block_ids: list[int]
+    data: bytes = b""
+
+
 # a command is one tag byte and its payload
 STEP, BUILD, CAPTURE, TAKE_DOWN, QUIT = b"S", b"B", b"C", b"T", b"Q"
+MEASURE = b"M"  # reply: the KV blocks this rank has room for
+OFFLOAD, TIER_OPS, DISK_READ = b"O", b"K", b"D"  # lower KV tiers (shoal.engine.kv_offload)
+READ_KV, WRITE_KV = b"R", b"W"  # KV transfer (disaggregation): a rank's shard of blocks
 
 
 def rank_device(device: torch.device, rank: int, size: int) -> torch.device:

@@ -1,0 +1,174 @@
+"""Tensor parallelism and the KV cache around the model (CPU, gloo, two processes): each
+rank sizes its own KV pool, the lower KV tiers hold every rank's shard of a block, and KV
+transfer moves every rank's shard; outputs equal a single rank's."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shoal import LLM, SamplingParams
+from shoal.engine.config import EngineConfig
+from shoal.engine.kv_offload import MEDIUM_CPU, MEDIUM_DISK
+from shoal.engine.kv_offload.shard import rank_disk_path
+from shoal.engine.llm_engine import LLMEngine, fewest_kv_blocks
+from shoal.engine.model_runner import kv_bytes_per_block
+from shoal.engine.parallel.executor import Followers
+from shoal.kv_hash import hash_blocks
+from shoal.layers.parallel import TPGroup
+from shoal.models.config import ModelConfig
+from shoal.protocol import EngineOutput, EngineRequest, KVTransferParams
+
+BLOCK = 16
+# one block of the tiny Llama's KV on one of two ranks (2 layers, K and V, 16 tokens, one of
+# its two KV heads of 16, float32)
+SHARD_BYTES = 2 * 2 * BLOCK * 1 * 16 * 4
+REPLY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+FILLER = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+def gib(blocks: int) -> float:
+    """A tier size in GiB holding `blocks` blocks of a rank's shard (and half to spare)."""
+    return (blocks + 0.5) * SHARD_BYTES / 2**30
+
+
+def conversation(llm: LLM, between=None) -> tuple[list[list[int]], list[int]]:
+    """Three turns of 40 new tokens each, a 376-token filler after each (it pushes the
+    conversation out of a 24-block pool); each turn's greedy reply and cached tokens.
+    `between(turn, history)` runs after each filler."""
+    rng = np.random.default_rng(0)
+    history: list[int] = []
+    replies, cached = [], []
+    for turn in range(3):
+        history = history + rng.integers(5, 384, 40).tolist()
+        out = llm.generate([history], REPLY)[0]
+        replies.append(out.outputs[0].token_ids)
+        cached.append(out.num_cached_tokens)
+        history = history + out.outputs[0].token_ids
+        llm.generate([rng.integers(5, 384, 376).tolist()], FILLER)
+        if between is not None:
+            between(turn, history)
+    return replies, cached
+
+
+def test_tiers_hold_every_ranks_shard_and_onboard_it(llama_dir, tmp_path):
+    """A host tier of 24 blocks over a disk tier: turns come back from both, on both ranks,
+    with a single rank's output. A block whose shard rank 1 cannot read (its disk file cut
+    short) is a miss on every rank: the prefix is onboarded up to it, the rest recomputed."""
+    settings = dict(device="cpu", block_size=BLOCK, num_gpu_blocks=24)
+    replies, big_cached = conversation(LLM(str(llama_dir), **{**settings, "num_gpu_blocks": 256}))
+    follower_dir = Path(rank_disk_path(str(tmp_path), 1))
+
+    def damage(turn: int, history: list[int]) -> None:
+        if turn != 1:
+            return
+        shard = follower_dir / f"{hash_blocks(history, BLOCK)[1]:016x}.kvblock"
+        deadline = time.monotonic() + 30
+        while not shard.exists():  # rank 1 writes it in the background
+            assert time.monotonic() < deadline, "rank 1 did not write its shard"
+            time.sleep(0.02)
+        shard.write_bytes(shard.read_bytes()[:10])
+
+    with LLM(
+        str(llama_dir),
+        tensor_parallel_size=2,
+        kv_offload_cpu_gb=gib(24),
+        kv_offload_disk_path=str(tmp_path),
+        kv_offload_disk_gb=gib(200),
+        **settings,
+    ) as llm:
+        got, cached = conversation(llm, between=damage)
+        offload = llm.engine.kv.offload
+        host, disk = offload.stats[MEDIUM_CPU], offload.stats[MEDIUM_DISK]
+    assert got == replies
+    assert big_cached[0] == cached[0] == 0
+    assert cached[1] == big_cached[1] >= 2 * BLOCK  # from the host tier
+    assert 0 < cached[2] < big_cached[2]  # up to the block rank 1 could not read
+    assert host.hits > 0 and disk.hits > 0 and disk.misses == 1
+    assert (host.hits + disk.hits) * BLOCK == sum(cached)
+
+
+def test_kv_transfer_moves_every_ranks_shard(llama_dir):
+    """A TP=2 prefill's KV (both ranks' heads joined) continues on a TP=1 engine and,
+    split again, on the TP=2 engine itself with its cache cleared: a single rank's output."""
+    config = EngineConfig(model=str(llama_dir), device="cpu", kv_cache_memory_bytes=2**22)
+    single = LLMEngine(config)
+    pair = LLMEngine(dataclasses.replace(config, tensor_parallel_size=2))
+    try:
+        assert pair.kv_blocks_by_rank == [2**22 // SHARD_BYTES] * 2  # rank 1 measured its own
+        prompt = [(i * 37) % 370 + 3 for i in range(40)]
+        reference = EngineRequest(request_id="ref", prompt_token_ids=prompt, sampling=REPLY)
+        expected = tokens(run(single, reference))
+        first, params = prefill(pair, "a", prompt)
+        data = pair.read_kv_blocks("a", 0, len(params.block_ids))
+        assert data.shape[4] == 2  # both KV heads
+        _, own = prefill(single, "b", prompt)
+        torch.testing.assert_close(data, single.read_kv_blocks("b", 0, len(own.block_ids)))
+        assert decode(single, "a", prompt, first, params, data) == expected
+        pair.release_kv("a")
+        assert pair.reset_prefix_cache()
+        assert decode(pair, "a2", prompt, first, params, data) == expected
+        assert pair.num_kv_injected == 1 and pair.num_kv_inject_fallbacks == 0
+    finally:
+        pair.shutdown()
+
+
+def test_the_rank_with_the_least_room_sets_the_pool(llama_dir):
+    """A follower that has room for fewer blocks than rank 0 sizes every rank's pool."""
+    cfg = ModelConfig.from_dir(llama_dir)
+    per_block = kv_bytes_per_block(cfg, BLOCK, cfg.dtype, TPGroup(0, 2))
+    assert per_block == SHARD_BYTES
+    ours = EngineConfig(
+        model=str(llama_dir), device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=2**20
+    )
+    theirs = dataclasses.replace(ours, kv_cache_memory_bytes=2**18)
+    followers = Followers(theirs, torch.device("cpu"))
+    try:
+        followers.wait_ready()
+        counts = [ours.kv_cache_memory_bytes // per_block, *followers.measure_kv_blocks()]
+    finally:
+        followers.close()
+    assert counts == [2**20 // per_block, 2**18 // per_block]
+    assert fewest_kv_blocks(counts, per_block) == 2**18 // per_block
+    assert fewest_kv_blocks(counts[::-1], per_block) == 2**18 // per_block
+
+
+def run(engine: LLMEngine, request: EngineRequest) -> list[EngineOutput]:
+    engine.add_request(request)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == request.request_id]
+    return outs
+
+
+def tokens(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def prefill(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[int, KVTransferParams]:
+    """The first token of a prefill kept for a remote decode, and its pinned blocks."""
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    remote = KVTransferParams(do_remote_decode=True)
+    request = EngineRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=first, kv_transfer=remote
+    )
+    outs = run(engine, request)
+    return tokens(outs)[0], outs[-1].kv_transfer
+
+
+def decode(engine, rid, prompt, first, params, data) -> list[int]:
+    """The rest of REPLY's tokens from transferred KV, after the prefill's first."""
+    engine.stage_kv(rid, 0, data)
+    rest = SamplingParams(temperature=0.0, max_tokens=REPLY.max_tokens - 1, ignore_eos=True)
+    request = EngineRequest(
+        request_id=rid,
+        prompt_token_ids=[*prompt, first],
+        sampling=rest,
+        num_output_tokens_before=1,
+        kv_transfer=params,
+    )
+    return [first, *tokens(run(engine, request))]
