@@ -7,22 +7,37 @@ engine's hashes to the router's, which BlockRemoved events are read through. So 
 follows shoal engines and any engine publishing vLLM-format events alike.
 
 Router hashes are chained, so one hash names its block and its whole prefix: the index is a
-flat map from hash to the set of workers holding it, with no tree to walk. Those sets are
-interned: every block held by exactly the same workers shares one set object, so a block
-costs one pointer however many workers hold it, and a lookup walking a prompt's blocks
-moves on in O(1) while the holders stay the same object, intersecting sets only where they
-change. Blocks in GPU memory are indexed here; blocks in a worker's lower tiers (events
-with `medium` CPU or DISK, shoal.engine.kv_offload) go to a second index of the same kind,
-`lower`, and tiered_overlaps says how far a prompt's prefix reaches through GPU and lower
-tiers together. A stored block's parent is looked up in both (a block offloaded to the host
-may be the child of one only the GPU holds, and the other way round).
+flat table from hash to block id (shoal.router.block_table, numpy), and per block id a bit
+mask of the workers holding it (one bit per worker, shared by every block: a block costs
+one row of W/64 words however many workers hold it). A lookup finds the ids of all the
+prompt's blocks in one vectorised pass, gathers their masks and ANDs them cumulatively:
+where the running mask loses a worker's bit is that worker's overlap, so Python work is
+done only where the holders change.
+
+Events first update each worker's own dicts (engine hash -> router hash, router hash ->
+engine blocks with that content) with whole-batch dict operations in C, and queue the
+(worker, block) pairs that start or stop being held; the queue is applied to the table and
+the masks in one vectorised pass before any lookup, or once it holds FLUSH_OPS pairs, so
+numpy's cost per call is paid per thousands of blocks rather than per event. Blocks in GPU
+memory are indexed here; blocks in a worker's lower
+tiers (events with `medium` CPU or DISK, shoal.engine.kv_offload) go to a second index of
+the same kind, `lower`, with the same bit per worker, and tiered_overlaps says how far a
+prompt's prefix reaches through GPU and lower tiers together. A stored block's parent is
+looked up in both (a block offloaded to the host may be the child of one only the GPU
+holds, and the other way round).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence, Set
-from itertools import groupby
+from array import array
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence, Set
+from functools import partial
+from itertools import filterfalse, repeat
+from operator import is_not
+
+import numpy as np
 
 from shoal.kv_hash import extra_key, hash_blocks
 from shoal.protocol import (
@@ -33,48 +48,115 @@ from shoal.protocol import (
     EngineBlockHash,
     KVEvent,
 )
+from shoal.router.block_table import BlockTable
 
 log = logging.getLogger(__name__)
 
-_NONE: frozenset[str] = frozenset()
 _INDEXED_MEDIA = (None, MEDIUM_GPU)
+FLUSH_OPS = 4096  # queued (worker, block) changes that are applied without waiting for a read
+_not_none = partial(is_not, None)
 
 
-class _Holders:
-    """One interned set of workers, shared by every block those workers (only) hold."""
+class _Columns:
+    """Each known worker's bit in the holder masks, shared by the GPU and lower-tier indexes."""
 
-    __slots__ = ("members", "minus", "plus", "refs")
+    def __init__(self) -> None:
+        self.of: dict[str, int] = {}
+        self.names: list[str | None] = []  # column -> worker
+        self._free: list[int] = []
 
-    def __init__(self, members: frozenset[str]) -> None:
-        self.members = members
-        self.refs = 0  # blocks pointing at this set; 0: dropped from the index's table
-        # The sets one worker more or fewer lead to (cached; a target with refs 0 is stale).
-        self.plus: dict[str, _Holders] = {}
-        self.minus: dict[str, _Holders] = {}
+    @property
+    def words(self) -> int:
+        return max(1, (len(self.names) + 63) // 64)
 
+    def get(self, worker_id: str) -> int:
+        column = self.of.get(worker_id)
+        if column is None:
+            if self._free:
+                column = self._free.pop()
+                self.names[column] = worker_id
+            else:
+                column = len(self.names)
+                self.names.append(worker_id)
+            self.of[worker_id] = column
+        return column
 
-_UNSHARED = _Holders(_NONE)  # no block points at it: a walk's "no shared set" marker
+    def release(self, worker_id: str) -> None:
+        column = self.of.pop(worker_id, None)
+        if column is not None:
+            self.names[column] = None
+            self._free.append(column)
+
+    def members(self, mask: np.ndarray) -> Iterator[str]:
+        """The workers whose bits are set in one row of words."""
+        names = self.names
+        for word, bits in enumerate(mask.tolist()):
+            while bits:
+                low = bits & -bits
+                yield names[word * 64 + low.bit_length() - 1]
+                bits ^= low
 
 
 class _Held:
-    """One worker's blocks: engine hash -> router hash, and router hash -> engine blocks."""
+    """One worker's blocks: its column, engine hash -> router hash, router hash -> engine
+    blocks with that content."""
 
-    __slots__ = ("count", "router_of")
+    __slots__ = ("column", "count", "dups", "router_of")
 
-    def __init__(self) -> None:
+    def __init__(self, column: int) -> None:
+        self.column = column
         self.router_of: dict[EngineBlockHash, int] = {}
-        self.count: dict[int, int] = {}  # router hash -> engine blocks with that content
+        self.count: dict[int, int] = {}
+        self.dups = 0  # router hashes held by more than one engine block
+
+
+def _u64(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(hashes, np.ndarray):
+        return hashes.astype(np.uint64, copy=False)
+    return np.frombuffer(array("Q", hashes), np.uint64)
+
+
+def _masks(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each column's word and bit in a mask row."""
+    return columns >> 6, np.left_shift(np.uint64(1), (columns & 63).astype(np.uint64))
+
+
+def _leading(rows: np.ndarray, columns: _Columns) -> dict[str, int]:
+    """Per worker whose bit is set in the first row, how many leading rows all have it."""
+    if not len(rows):
+        return {}
+    acc = np.bitwise_and.accumulate(rows, axis=0)
+    if acc.shape[1] == 1:
+        changes = np.flatnonzero(acc[1:, 0] != acc[:-1, 0])
+    else:
+        changes = np.flatnonzero((acc[1:] != acc[:-1]).any(axis=1))
+    result: dict[str, int] = {}
+    if len(changes):
+        lost = acc[changes] & ~acc[changes + 1]  # the workers each change drops
+        for depth, mask in zip((changes + 1).tolist(), lost, strict=True):
+            for worker_id in columns.members(mask):
+                result[worker_id] = depth
+    for worker_id in columns.members(acc[-1]):
+        result[worker_id] = len(rows)
+    return result
 
 
 class KvIndexer:
     """Router block hash -> workers holding it, and per worker its blocks, from KV events."""
 
-    def __init__(self, lower_tiers: bool = True) -> None:
+    def __init__(self, lower_tiers: bool = True, _columns: _Columns | None = None) -> None:
         """lower_tiers: also index the blocks workers hold in host memory or on disk."""
-        self._holders: dict[int, _Holders] = {}
-        self._sets: dict[frozenset[str], _Holders] = {}
+        self._columns = _columns or _Columns()
+        self._table = BlockTable()
+        self._bits = np.zeros((self._table.id_capacity, 1), np.uint64)  # block id -> mask
         self._held: dict[str, _Held] = {}
-        self.lower: KvIndexer | None = KvIndexer(lower_tiers=False) if lower_tiers else None
+        # (worker, block) changes not yet in the table and masks: router hash, column, held
+        self._keys: list[int] = []
+        self._cols: list[int] = []
+        self._sets: list[bool] = []
+        self.lower: KvIndexer | None = (
+            KvIndexer(lower_tiers=False, _columns=self._columns) if lower_tiers else None
+        )
         self._peer: KvIndexer | None = None  # the other tier's index, for parent lookups
         if self.lower is not None:
             self.lower._peer = self
@@ -85,9 +167,9 @@ class KvIndexer:
         match event:
             case BlockStored():
                 if event.medium in _INDEXED_MEDIA:
-                    self._apply_stored(worker_id, event)
+                    self._apply_stored(worker_id, [event])
                 elif self.lower is not None:
-                    self.lower._apply_stored(worker_id, event)
+                    self.lower._apply_stored(worker_id, [event])
             case BlockRemoved(block_hashes=hashes, medium=medium):
                 if medium in _INDEXED_MEDIA:
                     self.remove(worker_id, hashes)
@@ -99,35 +181,59 @@ class KvIndexer:
                 raise TypeError(f"not a KV event: {event!r}")
 
     def apply_batch(self, worker_id: str, events: Iterable[KVEvent]) -> None:
+        """Apply a batch in order; consecutive GPU BlockStored events are applied as one."""
+        run: list[BlockStored] = []
         for event in events:
+            if type(event) is BlockStored and event.medium in _INDEXED_MEDIA:
+                run.append(event)
+                continue
+            if run:
+                self._apply_stored(worker_id, run)
+                run = []
             self.apply(worker_id, event)
+        if run:
+            self._apply_stored(worker_id, run)
 
-    def _apply_stored(self, worker_id: str, event: BlockStored) -> None:
-        held = self._held.setdefault(worker_id, _Held())
-        parent = event.parent_block_hash
-        if parent is None:
+    def _apply_stored(self, worker_id: str, events: list[BlockStored]) -> None:
+        """Re-hash the events' blocks (chained from their parents' router hashes) and store
+        them all at once; an event whose parent is unknown or whose sizes disagree is skipped."""
+        router_of = self._held_of(worker_id).router_of
+        run: dict[EngineBlockHash, int] = {}  # engine -> router hash of this run's blocks
+        engine: list[EngineBlockHash] = []
+        router: list[int] = []
+        for event in events:
+            parent = event.parent_block_hash
             router_parent = None
-        else:
-            router_parent = held.router_of.get(parent)
-            if router_parent is None and self._peer is not None:
-                peer = self._peer._held.get(worker_id)
-                router_parent = None if peer is None else peer.router_of.get(parent)
-            if router_parent is None:
-                log.debug("worker %s: stored blocks after an unknown parent: skipped", worker_id)
-                return
-        size = event.block_size
-        if size <= 0 or len(event.token_ids) != size * len(event.block_hashes):
-            log.debug(
-                "worker %s: BlockStored with %d tokens for %d blocks of %d: skipped",
-                worker_id,
-                len(event.token_ids),
-                len(event.block_hashes),
-                size,
+            if parent is not None:
+                router_parent = run.get(parent)
+                if router_parent is None:
+                    router_parent = router_of.get(parent)
+                if router_parent is None and self._peer is not None:
+                    peer = self._peer._held.get(worker_id)
+                    router_parent = None if peer is None else peer.router_of.get(parent)
+                if router_parent is None:
+                    log.debug(
+                        "worker %s: stored blocks after an unknown parent: skipped", worker_id
+                    )
+                    continue
+            size = event.block_size
+            if size <= 0 or len(event.token_ids) != size * len(event.block_hashes):
+                log.debug(
+                    "worker %s: BlockStored with %d tokens for %d blocks of %d: skipped",
+                    worker_id,
+                    len(event.token_ids),
+                    len(event.block_hashes),
+                    size,
+                )
+                continue
+            hashes = hash_blocks(
+                event.token_ids, size, extra_key(event.lora_id), parent=router_parent
             )
-            return
-        extra = extra_key(event.lora_id)
-        hashes = hash_blocks(event.token_ids, size, extra, parent=router_parent)
-        self.store(worker_id, hashes, event.block_hashes)
+            run.update(zip(event.block_hashes, hashes, strict=True))
+            engine += event.block_hashes
+            router += hashes
+        if router:
+            self.store(worker_id, router, engine)
 
     def store(
         self,
@@ -136,36 +242,59 @@ class KvIndexer:
         engine_hashes: Sequence[EngineBlockHash] | None = None,
     ) -> None:
         """Record that `worker_id` holds these blocks (router hashes), which its engine calls
-        `engine_hashes` (the same if None); storing a held engine block again is a no-op."""
-        held = self._held.setdefault(worker_id, _Held())
+        `engine_hashes` (the same if None); storing a held engine block again is a no-op.
+
+        The usual batch (engine blocks new to the index, each named once) costs a few dict
+        operations in C over the whole batch; others go block by block."""
+        keys = list(block_hashes)
+        engine = keys if engine_hashes is None else list(engine_hashes)
+        if len(engine) != len(keys):
+            raise ValueError(f"{len(keys)} router hashes for {len(engine)} engine hashes")
+        held = self._held_of(worker_id)
         router_of, count = held.router_of, held.count
-        for h, e in zip(
-            block_hashes, block_hashes if engine_hashes is None else engine_hashes, strict=True
+        if (
+            not any(map(router_of.__contains__, engine))
+            and len(set(engine)) == len(engine)
+            and len(set(keys)) == len(keys)
         ):
-            old = router_of.get(e)
-            if old == h:
-                continue
-            if old is not None:
-                self._release(worker_id, held, old)
-            router_of[e] = h
-            n = count.get(h, 0)
-            count[h] = n + 1
-            if not n:
-                self._add_holder(h, worker_id)
+            router_of.update(zip(engine, keys, strict=True))
+            fresh = list(filterfalse(count.__contains__, keys))
+            if len(fresh) < len(keys):  # contents held already, under other engine names
+                for key in keys:
+                    if key in count:
+                        held.dups += count[key] == 1
+                        count[key] += 1
+            count.update(zip(fresh, repeat(1)))
+            self._queue(held.column, fresh, True)
+        else:
+            for key, name in zip(keys, engine, strict=True):
+                old = router_of.get(name)
+                if old == key:
+                    continue
+                if old is not None:
+                    self._drop(held, old)
+                router_of[name] = key
+                self._add(held, key)
+        if len(self._keys) >= FLUSH_OPS:
+            self._flush()
 
     def remove(self, worker_id: str, engine_hashes: Iterable[EngineBlockHash]) -> None:
         """Forget these blocks (by the engine's hashes); blocks not held are ignored."""
-        held = self._held.setdefault(worker_id, _Held())
-        router_of = held.router_of
-        for e in engine_hashes:
-            h = router_of.pop(e, None)
-            if h is not None:
-                self._release(worker_id, held, h)
+        held = self._held_of(worker_id)
+        keys = list(filter(_not_none, map(held.router_of.pop, engine_hashes, repeat(None))))
+        if not held.dups:  # each key held once: all go
+            deque(map(held.count.__delitem__, keys), maxlen=0)
+            self._queue(held.column, keys, False)
+        else:
+            for key in keys:
+                self._drop(held, key)
+        if len(self._keys) >= FLUSH_OPS:
+            self._flush()
 
     def clear(self, worker_id: str) -> None:
         """Forget every block of `worker_id`, keeping the worker known (with no blocks)."""
-        self.remove_worker(worker_id)
-        self._held[worker_id] = _Held()
+        self._forget(worker_id)
+        self._held_of(worker_id)
         if self.lower is not None:
             self.lower.clear(worker_id)
 
@@ -178,69 +307,46 @@ class KvIndexer:
         self.store(worker_id, list(dict.fromkeys(block_hashes)))
 
     def remove_worker(self, worker_id: str) -> None:
-        held = self._held.pop(worker_id, None)
-        if held is not None:
-            for h in held.count:
-                self._drop_holder(h, worker_id)
+        self._forget(worker_id)
+        self._flush()
         if self.lower is not None:
-            self.lower.remove_worker(worker_id)
+            self.lower._forget(worker_id)
+            self.lower._flush()
+        if self._peer is None or self.lower is not None:  # the index owning the columns
+            self._columns.release(worker_id)
 
-    def overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
+    def overlaps(self, block_hashes: Sequence[int] | np.ndarray) -> dict[str, int]:
         """Per worker, how many leading blocks of this chained-hash sequence it holds.
 
-        Workers holding none of the leading blocks are left out. The blocks' holder sets
-        are looked up and grouped into runs of one interned set in C (map, groupby), so
-        Python work is done only where the holders change: there the workers still
-        matching are intersected with the run's set. It stops when no worker matches.
+        Workers holding none of the leading blocks are left out. The blocks' ids are found
+        in one pass; the masks of the leading blocks the index knows are ANDed cumulatively
+        and each worker's overlap is where its bit drops out.
         """
-        holders = self._holders
-        if not block_hashes or block_hashes[0] not in holders:
+        self._flush()
+        if not len(block_hashes) or not self._table.live:
             return {}
-        result: dict[str, int] = {}
-        current = holders[block_hashes[0]]
-        candidates = current.members
-        depth = 0  # where the run starts
-        for nxt, run in groupby(map(holders.get, block_hashes)):
-            start, depth = depth, depth + len(list(run))
-            if nxt is current:
-                continue
-            survivors = _NONE if nxt is None else candidates & nxt.members
-            if len(survivors) < len(candidates):
-                for worker_id in candidates - survivors:
-                    result[worker_id] = start
-                if not survivors:
-                    return result
-                candidates = survivors
-            # survivors is a subset of nxt's members: equal sizes mean the same set
-            if nxt is not None and len(survivors) == len(nxt.members):
-                current = nxt
-            else:
-                current = self._sets.get(survivors, _UNSHARED)
-        for worker_id in candidates:
-            result[worker_id] = len(block_hashes)
-        return result
+        ids = self._table.ids(_u64(block_hashes))
+        missing = np.flatnonzero(ids < 0)
+        depth = int(missing[0]) if len(missing) else len(ids)
+        return _leading(self._bits[ids[:depth]], self._columns)
 
-    def tiered_overlaps(self, block_hashes: Sequence[int], gpu: dict[str, int]) -> dict[str, int]:
+    def tiered_overlaps(
+        self, block_hashes: Sequence[int] | np.ndarray, gpu: dict[str, int]
+    ) -> dict[str, int]:
         """Per worker whose lower tiers hold more of this prefix, how many leading blocks
         it holds in any tier (GPU or lower); `gpu` is overlaps(block_hashes). Workers whose
-        lower tiers add nothing are left out. O(workers with hits x blocks walked past
-        the longer of their two single-tier overlaps)."""
+        lower tiers add nothing are left out. One vectorised pass over both indexes."""
         lower = self.lower
-        if lower is None or not lower._holders:
+        if lower is None or not len(block_hashes):
             return {}
-        deep = lower.overlaps(block_hashes)
-        result: dict[str, int] = {}
-        for worker_id in deep.keys() | gpu.keys():
-            on_gpu = gpu.get(worker_id, 0)
-            depth = max(on_gpu, deep.get(worker_id, 0))
-            mine, below = self.blocks(worker_id), lower.blocks(worker_id)
-            while depth < len(block_hashes) and (
-                block_hashes[depth] in mine or block_hashes[depth] in below
-            ):
-                depth += 1
-            if depth > on_gpu:
-                result[worker_id] = depth
-        return result
+        self._flush()
+        lower._flush()
+        if not lower._table.live:
+            return {}
+        keys = _u64(block_hashes)
+        words = self._columns.words
+        deep = _leading(self._rows(keys, words) | lower._rows(keys, words), self._columns)
+        return {w: d for w, d in deep.items() if d > gpu.get(w, 0)}
 
     def blocks(self, worker_id: str) -> Set[int]:
         """The router hashes `worker_id` holds (a live read-only view; empty if unknown)."""
@@ -253,55 +359,115 @@ class KvIndexer:
 
     def num_distinct_blocks(self) -> int:
         """Blocks held by at least one worker (each counted once)."""
-        return len(self._holders)
+        self._flush()
+        return self._table.live
 
     def workers(self) -> set[str]:
         """Workers this index has heard of and not removed (some may hold no blocks)."""
         return set(self._held)
 
-    def _release(self, worker_id: str, held: _Held, block_hash: int) -> None:
-        n = held.count[block_hash] - 1
-        if n:
-            held.count[block_hash] = n
+    # ---- internals
+
+    def _held_of(self, worker_id: str) -> _Held:
+        held = self._held.get(worker_id)
+        if held is None:
+            held = self._held[worker_id] = _Held(self._columns.get(worker_id))
+        return held
+
+    def _add(self, held: _Held, key: int) -> None:
+        n = held.count.get(key, 0)
+        held.count[key] = n + 1
+        if not n:
+            self._queue(held.column, (key,), True)
+        held.dups += n == 1
+
+    def _drop(self, held: _Held, key: int) -> None:
+        n = held.count[key]
+        if n == 1:
+            del held.count[key]
+            self._queue(held.column, (key,), False)
         else:
-            del held.count[block_hash]
-            self._drop_holder(block_hash, worker_id)
+            held.count[key] = n - 1
+            held.dups -= n == 2
 
-    def _add_holder(self, block_hash: int, worker_id: str) -> None:
-        old = self._holders.get(block_hash)
-        if old is None:
-            new = self._shared(frozenset((worker_id,)))
-        else:
-            new = old.plus.get(worker_id)
-            if new is None or not new.refs:
-                new = old.plus[worker_id] = self._shared(old.members | {worker_id})
-        new.refs += 1
-        self._holders[block_hash] = new
-        if old is not None:
-            self._unref(old)
+    def _forget(self, worker_id: str) -> None:
+        held = self._held.pop(worker_id, None)
+        if held is not None:
+            self._queue(held.column, list(held.count), False)
 
-    def _drop_holder(self, block_hash: int, worker_id: str) -> None:
-        old = self._holders[block_hash]
-        if len(old.members) == 1:
-            del self._holders[block_hash]
-        else:
-            new = old.minus.get(worker_id)
-            if new is None or not new.refs:
-                new = old.minus[worker_id] = self._shared(old.members - {worker_id})
-            new.refs += 1
-            self._holders[block_hash] = new
-        self._unref(old)
+    def _queue(self, column: int, keys: Sequence[int], held: bool) -> None:
+        self._keys += keys
+        self._cols += repeat(column, len(keys))
+        self._sets += repeat(held, len(keys))
 
-    def _shared(self, members: frozenset[str]) -> _Holders:
-        """The one set object for `members` (callers add their reference)."""
-        shared = self._sets.get(members)
-        if shared is None:
-            shared = self._sets[members] = _Holders(members)
-        return shared
+    def _flush(self) -> None:
+        """Apply the queued (worker, block) changes to the table and the masks at once."""
+        if not self._keys:
+            return
+        keys = np.frombuffer(array("Q", self._keys), np.uint64)
+        cols = np.frombuffer(array("q", self._cols), np.int64)
+        sets = np.frombuffer(array("b", self._sets), np.bool_)
+        self._keys, self._cols, self._sets = [], [], []
+        if not (sets.all() or not sets.any()):
+            keys, cols, sets = _net(keys, cols, sets)
+        self._fit()
+        if sets.any():
+            on = keys[sets] if not sets.all() else keys
+            on_cols = cols[sets] if not sets.all() else cols
+            ids = self._ids_for(on)
+            words, bits = _masks(on_cols)
+            np.bitwise_or.at(self._bits, (ids, words), bits)
+        if not sets.all():
+            off = ~sets
+            ids = self._table.ids(keys[off])
+            words, bits = _masks(cols[off])
+            np.bitwise_and.at(self._bits, (ids, words), ~bits)
+            ids = np.unique(ids)
+            dead = ids[~self._bits[ids].any(axis=1)]
+            if len(dead):
+                self._table.remove(dead)
 
-    def _unref(self, shared: _Holders) -> None:
-        shared.refs -= 1
-        if not shared.refs:
-            del self._sets[shared.members]
-            shared.plus.clear()
-            shared.minus.clear()
+    def _fit(self) -> None:
+        """Grow the mask matrix to every id the table hands out and every worker's column."""
+        rows, words = self._table.id_capacity, self._columns.words
+        old_rows, old_words = self._bits.shape
+        if old_rows < rows or old_words < words:
+            grown = np.zeros((max(rows, old_rows), max(words, old_words)), np.uint64)
+            grown[:old_rows, :old_words] = self._bits
+            self._bits = grown
+
+    def _ids_for(self, keys: np.ndarray) -> np.ndarray:
+        """The block ids of these keys (which may repeat), adding those the table lacks."""
+        ids = self._table.ids(keys)
+        missing = ids < 0
+        if missing.any():
+            new, inverse = np.unique(keys[missing], return_inverse=True)
+            ids[missing] = self._table.add(new)[inverse]
+            self._fit()
+        return ids
+
+    def _rows(self, keys: np.ndarray, words: int) -> np.ndarray:
+        """The masks of these keys' blocks (zero where not indexed), `words` wide."""
+        ids = self._table.ids(keys)
+        rows = np.zeros((len(keys), words), np.uint64)
+        known = ids >= 0
+        width = min(words, self._bits.shape[1])
+        rows[known, :width] = self._bits[ids[known], :width]
+        return rows
+
+
+def _net(keys: np.ndarray, cols: np.ndarray, sets: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The net change of each (block, worker) pair in a queue of changes, in order.
+
+    A pair's changes alternate (held, not held, held...): it ends changed only if its
+    first and last changes agree (both held: it was not held before; both not: it was)."""
+    order = np.lexsort((cols, keys))  # stable: a pair's changes stay in queue order
+    keys, cols, sets = keys[order], cols[order], sets[order]
+    same = (keys[1:] == keys[:-1]) & (cols[1:] == cols[:-1])
+    first = np.ones(len(keys), bool)
+    first[1:] = ~same
+    last = np.ones(len(keys), bool)
+    last[:-1] = ~same
+    changed = sets[first] == sets[last]
+    last_ix = np.flatnonzero(last)[changed]
+    return keys[last_ix], cols[last_ix], sets[last_ix]

@@ -1,0 +1,160 @@
+"""The numpy index at scale: the block table against a dict, and random event batches over
+more than 64 workers (several mask words), with engine names unrelated to the router's hash
+(one content under several names), lower tiers, removals, clears and workers leaving and
+coming back, checked against a plain per-worker model after every batch."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from shoal.kv_hash import hash_blocks
+from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored
+from shoal.router.block_table import BlockTable
+from shoal.router.indexer import KvIndexer
+
+BLOCK = 4
+TIERS = ("GPU", "CPU")
+
+
+def test_block_table_matches_a_dict_through_growth_and_tombstones():
+    rng = np.random.default_rng(3)
+    table, truth = BlockTable(), {}
+    for _ in range(30):
+        keys = np.unique(rng.integers(0, 2**64, 3000, np.uint64, endpoint=False))
+        keys = keys[table.ids(keys) < 0]
+        ids = table.add(keys)
+        assert len(set(ids.tolist())) == len(ids) and not set(ids.tolist()) & set(truth.values())
+        truth.update(zip(keys.tolist(), ids.tolist(), strict=True))
+        gone = rng.choice(np.array(list(truth), np.uint64), len(truth) // 3, replace=False)
+        table.remove(table.ids(gone))
+        for k in gone.tolist():
+            del truth[k]
+        assert table.live == len(truth)
+        probe = np.concatenate([np.array(list(truth), np.uint64), gone])
+        expected = [truth.get(k, -1) for k in probe.tolist()]
+        assert table.ids(probe).tolist() == expected
+    assert table.id_capacity < 4 * len(truth)  # freed ids are reused
+
+
+class Model:
+    """Per worker and tier, engine name -> router hash; overlaps by walking."""
+
+    def __init__(self) -> None:
+        self.pairs: dict[str, dict[str, dict]] = {}
+
+    def tier(self, worker: str, medium: str) -> dict:
+        return self.pairs.setdefault(worker, {t: {} for t in TIERS})[medium]
+
+    def apply(self, worker: str, event) -> None:
+        if isinstance(event, BlockStored):
+            mine = self.tier(worker, event.medium)
+            other = self.tier(worker, "CPU" if event.medium == "GPU" else "GPU")
+            parent = event.parent_block_hash
+            if parent is None:
+                start = None
+            elif parent in mine or parent in other:
+                start = mine[parent] if parent in mine else other[parent]
+            else:
+                return
+            hashes = hash_blocks(event.token_ids, BLOCK, parent=start)
+            mine.update(zip(event.block_hashes, hashes, strict=True))
+        elif isinstance(event, BlockRemoved):
+            for name in event.block_hashes:
+                self.tier(worker, event.medium).pop(name, None)
+        else:
+            self.pairs[worker] = {t: {} for t in TIERS}
+
+    def held(self, worker: str, *media: str) -> set[int]:
+        tiers = self.pairs.get(worker, {})
+        return set().union(*(set(tiers.get(m, {}).values()) for m in media))
+
+    def overlaps(self, hashes: list[int], *media: str) -> dict[str, int]:
+        result = {}
+        for worker in self.pairs:
+            held = self.held(worker, *media)
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            if n:
+                result[worker] = n
+        return result
+
+
+def random_batch(rng: random.Random, sequences: list[list[int]], model: Model, worker: str):
+    """A batch of 1-6 events: stores that continue each other or what the worker holds,
+    under fresh engine names (ints or bytes), removals, now and then a clear."""
+    events = []
+    for _ in range(rng.randint(1, 6)):
+        medium = "GPU" if rng.random() < 0.8 else "CPU"
+        mine = model.tier(worker, medium)
+        roll = rng.random()
+        if roll < 0.6 or not mine:
+            tokens = rng.choice(sequences)
+            n = len(tokens) // BLOCK
+            i = rng.randrange(n) if rng.random() < 0.7 else 0
+            j = rng.randint(i + 1, n)
+            chain = hash_blocks(tokens, BLOCK)
+            parent = None
+            if i:
+                known = [e for e, h in mine.items() if h == chain[i - 1]]
+                parent = rng.choice(known) if known else rng.getrandbits(64)
+            if rng.random() < 0.5:
+                names = [rng.getrandbits(64) for _ in range(j - i)]
+            else:
+                names = [rng.randbytes(8) for _ in range(j - i)]
+            event = BlockStored(
+                block_hashes=names,
+                parent_block_hash=parent,
+                token_ids=tokens[i * BLOCK : j * BLOCK],
+                block_size=BLOCK,
+                medium=medium,
+            )
+        elif roll < 0.97:
+            victims = rng.sample(sorted(mine, key=repr), min(len(mine), rng.randint(1, 6)))
+            event = BlockRemoved(block_hashes=[*victims, rng.getrandbits(64)], medium=medium)
+        else:
+            event = AllBlocksCleared()
+        model.apply(worker, event)  # the model follows each event as it is built
+        events.append(event)
+    return events
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batches_over_many_workers_match_the_model(seed):
+    rng = random.Random(seed)
+    roots = [[rng.randrange(30) for _ in range(BLOCK * rng.randint(1, 4))] for _ in range(5)]
+    sequences = []
+    for _ in range(30):
+        base = rng.choice(sequences) if sequences and rng.random() < 0.5 else rng.choice(roots)
+        sequences.append(base + [rng.randrange(30) for _ in range(BLOCK * rng.randint(0, 5))])
+    workers = [f"w{i}" for i in range(rng.randint(65, 140))]
+    index, model = KvIndexer(), Model()
+    for step in range(600):
+        worker = rng.choice(workers)
+        if rng.random() < 0.01:
+            index.remove_worker(worker)
+            model.pairs.pop(worker, None)
+            continue
+        index.apply_batch(worker, random_batch(rng, sequences, model, worker))
+        if step % 20:
+            continue
+        for _ in range(10):
+            query = hash_blocks(rng.choice(sequences), BLOCK)
+            query = query[: rng.randint(1, len(query))]
+            gpu = index.overlaps(query)
+            assert gpu == model.overlaps(query, "GPU")
+            both = model.overlaps(query, *TIERS)
+            deeper = {w: d for w, d in both.items() if d > gpu.get(w, 0)}
+            assert index.tiered_overlaps(query, gpu) == deeper
+        assert index.workers() | index.lower.workers() == set(model.pairs)
+        for w in rng.sample(workers, 10):
+            assert index.blocks(w) == model.held(w, "GPU")
+            assert index.num_blocks(w) == len(model.held(w, "GPU"))
+    held = set().union(*(model.held(w, "GPU") for w in model.pairs))
+    assert index.num_distinct_blocks() == len(held)
+    assert index.lower.num_distinct_blocks() == len(
+        set().union(*(model.held(w, "CPU") for w in model.pairs))
+    )
