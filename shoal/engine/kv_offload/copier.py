@@ -44,8 +44,9 @@ class BlockCopier:
 
     def __init__(self, kv_caches: list[torch.Tensor], in_order: bool = False) -> None:
         """in_order: keep the copies in order with the device's work (a tensor-parallel
-        follower, which cannot poll): a save waits for the steps queued before it, and the
-        steps queued after a load wait for it."""
+        follower, which cannot poll): a save waits for the steps queued before it and the
+        steps queued after it wait for its blocks to be gathered; the steps queued after a
+        load wait for it."""
         self.caches = kv_caches
         self.device = kv_caches[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -73,8 +74,9 @@ class BlockCopier:
         """Copy these device blocks into these slots of the host buffer. The blocks must
         hold their final KV already (the step that wrote them is complete)."""
         started = time.perf_counter()
-        if self.in_order:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        main = torch.cuda.current_stream(self.device) if self.in_order else None
+        if main is not None:
+            self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             begin, end = self._events()
             index = to_device(block_ids, torch.int64, self.device)
@@ -82,10 +84,12 @@ class BlockCopier:
             blocks = gathered.permute(2, 0, 1, 3, 4, 5)  # [n, layers, 2, size, heads, dim]
             if self.stream is None:
                 host.index_copy_(0, torch.tensor(slots, dtype=torch.int64), blocks)
-            else:
-                blocks = blocks.contiguous()
-                for i, slot in enumerate(slots):
-                    host[slot].copy_(blocks[i], non_blocking=True)
+                return self._finish(started, begin, end)
+            blocks = blocks.contiguous()
+            if main is not None:  # later steps may reuse the blocks once they are gathered
+                main.wait_stream(self.stream)
+            for i, slot in enumerate(slots):
+                host[slot].copy_(blocks[i], non_blocking=True)
             return self._finish(started, begin, end)
 
     @torch.inference_mode()
