@@ -271,6 +271,7 @@ async def ceiling(port: int, args: argparse.Namespace, deployment: Deployment) -
         "workers_cpu_s": cpu["workers"],
         "client_cpu_s": client_cpu,
         "frontend_tokens_per_cpu_s": tokens / max(cpu["frontend"], 1e-9),
+        "frontend_events_per_cpu_s": events / max(cpu["frontend"], 1e-9),
     }
 
 

@@ -47,26 +47,31 @@ def _failure(e: Exception) -> bytes:
 
 
 class _Chunks:
-    """Encodes one stream's chunks: the fixed fields, and `usage: null` when usage comes last."""
+    """Encodes one stream's chunks: the fixed fields (encoded once), and `usage: null` when
+    usage comes last. A choice's text alone, the common chunk, is encoded without a dict."""
 
-    __slots__ = ("include_usage", "kind", "run")
+    __slots__ = ("head", "include_usage", "kind", "run", "tail")
 
     def __init__(self, run: RequestRun, kind: str, include_usage: bool) -> None:
         self.run = run
         self.kind = kind
         self.include_usage = include_usage
+        fixed = {"id": run.id, "object": kind, "created": run.created, "model": run.model}
+        self.head = b"data: " + _encode({**fixed, "choices": []})[:-2]  # ends in "choices":[
+        self.tail = b"]%s}\n\n" % (b',"usage":null' if include_usage else b"")
 
     def choices(self, choices: list[dict]) -> bytes:
-        payload = {
-            "id": self.run.id,
-            "object": self.kind,
-            "created": self.run.created,
-            "model": self.run.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            payload["usage"] = None
-        return event(payload)
+        return b"".join((self.head, b",".join(map(_encode, choices)), self.tail))
+
+    def completion_text(self, index: int, text: str) -> bytes:
+        """The chunk of choice `index`'s text, with no logprobs and no finish."""
+        body = b'{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}'
+        return b"".join((self.head, body % (index, _encode(text)), self.tail))
+
+    def chat_content(self, index: int, text: str) -> bytes:
+        """The chunk of choice `index`'s content delta, with no logprobs and no finish."""
+        body = b'{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}'
+        return b"".join((self.head, body % (index, _encode(text)), self.tail))
 
     def usage(self) -> bytes:
         return event(
@@ -106,6 +111,9 @@ async def chat_events(
                 )
                 finish_reason = choice.finish_reason
                 if parsers is None:
+                    if text and entries is None and finish_reason is None:
+                        yield chunks.chat_content(choice.index, text)
+                        continue
                     delta = {"content": text} if text else {}
                 else:
                     parser = parsers[choice.index]
@@ -160,7 +168,9 @@ async def completion_events(
                     lp = trackers[i].add(
                         out.new_token_ids, out.new_logprobs, lp or empty_completion_logprobs()
                     )
-                if not text and lp is None and choice.finish_reason is None:
+                if lp is None and choice.finish_reason is None:
+                    if text:
+                        yield chunks.completion_text(i, text)
                     continue
                 body = {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
                 if choice.finish_reason is not None:

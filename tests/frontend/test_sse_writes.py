@@ -1,13 +1,14 @@
-"""SSEResponse's writes: events ready together go out as one body, none waits on the engine."""
+"""SSE: events ready together go out as one body, none waits on the engine; chunk bytes."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from shoal.frontend.disconnect import client_gone
-from shoal.frontend.streaming import FLUSH_BYTES, SSEResponse
+from shoal.frontend.streaming import FLUSH_BYTES, SSEResponse, _Chunks
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 
@@ -104,3 +105,28 @@ def test_a_client_that_leaves_closes_the_events_and_the_run(stuck_write):
     assert bodies(sent) == [(b"first;", True)]
     assert ended == ["events"] and closed == ["run"]
     assert client_gone(scope["state"])
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_text_chunks_encode_as_the_general_chunk(include_usage):
+    class Run:
+        id, created, model = "cmpl-1", 1700000000, 'm"odel'
+
+    for kind in ("text_completion", "chat.completion.chunk"):
+        chunks = _Chunks(Run(), kind, include_usage)
+        for index, text in [(0, "plain"), (3, 'q"uote\\ \n\t\x01 鱼 \U0001f41f'), (12, "")]:
+            rest = {"logprobs": None, "finish_reason": None}
+            if kind == "text_completion":
+                fast = chunks.completion_text(index, text)
+                general = chunks.choices([{"index": index, "text": text, **rest}])
+            else:
+                fast = chunks.chat_content(index, text)
+                general = chunks.choices([{"index": index, "delta": {"content": text}, **rest}])
+            assert fast == general
+            payload = json.loads(fast.removeprefix(b"data: "))
+            assert payload["id"] == "cmpl-1" and payload["model"] == 'm"odel'
+            assert payload["object"] == kind and ("usage" in payload) == include_usage
+            choice = payload["choices"][0]
+            assert choice["index"] == index
+            got = choice["text"] if kind == "text_completion" else choice["delta"]["content"]
+            assert got == text
