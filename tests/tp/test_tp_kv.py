@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from shoal import LLM, SamplingParams
+from shoal.disagg.blocks import BlockAssembler, to_chunk
 from shoal.engine.config import EngineConfig
 from shoal.engine.kv_offload import MEDIUM_CPU, MEDIUM_DISK
 from shoal.engine.kv_offload.shard import rank_disk_path
@@ -93,8 +94,9 @@ def test_tiers_hold_every_ranks_shard_and_onboard_it(llama_dir, tmp_path):
 
 
 def test_kv_transfer_moves_every_ranks_shard(llama_dir):
-    """A TP=2 prefill's KV (both ranks' heads joined) continues on a TP=1 engine and,
-    split again, on the TP=2 engine itself with its cache cleared: a single rank's output."""
+    """A TP=2 prefill's KV, read in the host backend's one-block frames (both ranks' heads
+    joined), continues on a TP=1 engine and, split again, on the TP=2 engine itself with
+    its cache cleared but for the first block: a single rank's output."""
     config = EngineConfig(model=str(llama_dir), device="cpu", kv_cache_memory_bytes=2**22)
     single = LLMEngine(config)
     pair = LLMEngine(dataclasses.replace(config, tensor_parallel_size=2))
@@ -104,14 +106,23 @@ def test_kv_transfer_moves_every_ranks_shard(llama_dir):
         reference = EngineRequest(request_id="ref", prompt_token_ids=prompt, sampling=REPLY)
         expected = tokens(run(single, reference))
         first, params = prefill(pair, "a", prompt)
-        data = pair.read_kv_blocks("a", 0, len(params.block_ids))
-        assert data.shape[4] == 2  # both KV heads
+        count = len(params.block_ids)
+        frames = BlockAssembler(params.layout, 0, count)
+        for start in range(count):
+            frames.add(to_chunk(start, pair.read_kv_blocks("a", start, 1)))
+        data = frames.tensor()
+        assert params.layout.num_kv_heads == data.shape[4] == 2  # both ranks' heads
         _, own = prefill(single, "b", prompt)
         torch.testing.assert_close(data, single.read_kv_blocks("b", 0, len(own.block_ids)))
         assert decode(single, "a", prompt, first, params, data) == expected
         pair.release_kv("a")
         assert pair.reset_prefix_cache()
-        assert decode(pair, "a2", prompt, first, params, data) == expected
+        run(
+            pair,
+            EngineRequest(request_id="c", prompt_token_ids=prompt[: BLOCK + 1], sampling=FILLER),
+        )
+        assert pair.num_cached_prefix_blocks(prompt) == 1
+        assert decode(pair, "a2", prompt, first, params, data[:, :, 1:], first_block=1) == expected
         assert pair.num_kv_injected == 1 and pair.num_kv_inject_fallbacks == 0
     finally:
         pair.shutdown()
@@ -160,9 +171,10 @@ def prefill(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[int, KVTran
     return tokens(outs)[0], outs[-1].kv_transfer
 
 
-def decode(engine, rid, prompt, first, params, data) -> list[int]:
-    """The rest of REPLY's tokens from transferred KV, after the prefill's first."""
-    engine.stage_kv(rid, 0, data)
+def decode(engine, rid, prompt, first, params, data, first_block: int = 0) -> list[int]:
+    """The rest of REPLY's tokens from transferred KV (blocks first_block..), after the
+    prefill's first."""
+    engine.stage_kv(rid, first_block, data)
     rest = SamplingParams(temperature=0.0, max_tokens=REPLY.max_tokens - 1, ignore_eos=True)
     request = EngineRequest(
         request_id=rid,
