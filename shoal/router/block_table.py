@@ -42,7 +42,7 @@ class BlockTable:
     def add(self, keys: np.ndarray) -> np.ndarray:
         """Add keys (distinct, none present yet); their new ids."""
         n = len(keys)
-        if (self._used + n) * 5 > 3 * len(self._keys):
+        if (self._used + n) * 5 > 2 * len(self._keys):
             self._rehash(self.live + n)
         ids = self._allocate(n)
         self.key_of[ids] = keys
@@ -127,10 +127,10 @@ class BlockTable:
         return np.where(won, -1, target)
 
     def _rehash(self, live: int) -> None:
-        """Rebuild the slots for `live` keys at most half full, dropping tombstones."""
+        """Rebuild the slots for `live` keys at most a quarter full, dropping tombstones."""
         held = self._ids >= 0
         keys, ids = self._keys[held], self._ids[held]
-        self._reset_slots(max(_MIN_SLOTS, 1 << (2 * live).bit_length()))
+        self._reset_slots(max(_MIN_SLOTS, 1 << (4 * live).bit_length()))
         self._place(keys, ids)
 
     def _allocate(self, n: int) -> np.ndarray:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence, Set
+from collections.abc import Iterable, Sequence, Set
 from functools import partial
 from itertools import filterfalse, repeat
 from operator import is_not
@@ -87,15 +87,6 @@ class _Columns:
             self.names[column] = None
             self._free.append(column)
 
-    def members(self, mask: np.ndarray) -> Iterator[str]:
-        """The workers whose bits are set in one row of words."""
-        names = self.names
-        for word, bits in enumerate(mask.tolist()):
-            while bits:
-                low = bits & -bits
-                yield names[word * 64 + low.bit_length() - 1]
-                bits ^= low
-
 
 class _Held:
     """One worker's blocks: its column, engine hash -> router hash, router hash -> engine
@@ -122,7 +113,10 @@ def _masks(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _leading(rows: np.ndarray, columns: _Columns) -> dict[str, int]:
-    """Per worker whose bit is set in the first row, how many leading rows all have it."""
+    """Per worker whose bit is set in the first row, how many leading rows all have it.
+
+    The rows are ANDed cumulatively; at each row where the running mask changes, the bits
+    it loses are unpacked in one call, so no Python step is taken per row or per change."""
     if not len(rows):
         return {}
     acc = np.bitwise_and.accumulate(rows, axis=0)
@@ -130,15 +124,12 @@ def _leading(rows: np.ndarray, columns: _Columns) -> dict[str, int]:
         changes = np.flatnonzero(acc[1:, 0] != acc[:-1, 0])
     else:
         changes = np.flatnonzero((acc[1:] != acc[:-1]).any(axis=1))
-    result: dict[str, int] = {}
-    if len(changes):
-        lost = acc[changes] & ~acc[changes + 1]  # the workers each change drops
-        for depth, mask in zip((changes + 1).tolist(), lost, strict=True):
-            for worker_id in columns.members(mask):
-                result[worker_id] = depth
-    for worker_id in columns.members(acc[-1]):
-        result[worker_id] = len(rows)
-    return result
+    lost = np.concatenate([acc[changes] & ~acc[changes + 1], acc[-1:]])
+    depth = np.append(changes + 1, len(rows))
+    bits = np.unpackbits(lost.astype("<u8", copy=False).view(np.uint8), axis=1, bitorder="little")
+    where, column = np.nonzero(bits)
+    names = columns.names
+    return {names[c]: d for c, d in zip(column.tolist(), depth[where].tolist(), strict=True)}
 
 
 class KvIndexer:
