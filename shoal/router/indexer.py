@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence, Set
 from functools import partial
 from itertools import filterfalse, repeat
@@ -237,25 +237,31 @@ class KvIndexer:
 
         The usual batch (engine blocks new to the index, each named once) costs a few dict
         operations in C over the whole batch; others go block by block."""
-        keys = list(block_hashes)
-        engine = keys if engine_hashes is None else list(engine_hashes)
+        keys = block_hashes if type(block_hashes) is list else list(block_hashes)
+        engine = keys if engine_hashes is None else engine_hashes
         if len(engine) != len(keys):
             raise ValueError(f"{len(keys)} router hashes for {len(engine)} engine hashes")
         held = self._held_of(worker_id)
         router_of, count = held.router_of, held.count
-        if (
-            not any(map(router_of.__contains__, engine))
-            and len(set(engine)) == len(engine)
-            and len(set(keys)) == len(keys)
-        ):
+        if not any(map(router_of.__contains__, engine)):
+            before = len(router_of)
             router_of.update(zip(engine, keys, strict=True))
+            if len(router_of) - before < len(keys):  # a name given twice: its last block wins
+                keys = list(dict(zip(engine, keys, strict=True)).values())
             fresh = list(filterfalse(count.__contains__, keys))
             if len(fresh) < len(keys):  # contents held already, under other engine names
                 for key in keys:
                     if key in count:
                         held.dups += count[key] == 1
                         count[key] += 1
+            before = len(count)
             count.update(zip(fresh, repeat(1)))
+            if len(count) - before < len(fresh):  # a new content under several names
+                for key, n in Counter(fresh).items():
+                    if n > 1:
+                        count[key] = n
+                        held.dups += 1
+                fresh = list(dict.fromkeys(fresh))
             self._queue(held.column, fresh, True)
         else:
             for key, name in zip(keys, engine, strict=True):

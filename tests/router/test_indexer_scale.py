@@ -158,3 +158,30 @@ def test_batches_over_many_workers_match_the_model(seed):
     assert index.lower.num_distinct_blocks() == len(
         set().union(*(model.held(w, "CPU") for w in model.pairs))
     )
+
+
+def test_one_batch_naming_a_block_twice_or_one_content_under_two_names():
+    tokens = list(range(12))
+    chain = hash_blocks(tokens, BLOCK)
+    index, model = KvIndexer(), Model()
+    events = [
+        BlockStored(
+            block_hashes=[1, 2], parent_block_hash=None, token_ids=tokens[:8], block_size=BLOCK
+        ),
+        BlockStored(
+            block_hashes=[3], parent_block_hash=None, token_ids=tokens[:4], block_size=BLOCK
+        ),
+        BlockStored(block_hashes=[2], parent_block_hash=3, token_ids=tokens[4:8], block_size=BLOCK),
+        BlockStored(block_hashes=[4], parent_block_hash=2, token_ids=tokens[8:], block_size=BLOCK),
+    ]
+    for event in events:
+        event.medium = "GPU"
+        model.apply("a", event)
+    index.apply_batch("a", events)
+    assert index.overlaps(chain) == model.overlaps(chain, "GPU") == {"a": 3}
+    assert index.num_blocks("a") == 3
+    index.apply("a", BlockRemoved(block_hashes=[1]))  # block 0 stays, held as 3 too
+    assert index.overlaps(chain) == {"a": 3}
+    index.apply("a", BlockRemoved(block_hashes=[3]))
+    assert index.overlaps(chain) == {}
+    assert index.num_blocks("a") == 2
