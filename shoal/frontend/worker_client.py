@@ -24,6 +24,7 @@ from shoal.runtime.errors import (
     StreamTimeoutError,
     WorkerLostError,
 )
+from shoal.runtime.request_client import ResponseStream
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class _Leg:
     """One engine request on one worker: every sequence of the client's request, or (after a
     migration) one sequence continued from where it stopped."""
 
-    __slots__ = ("indices", "instance", "open", "reader", "request", "started")
+    __slots__ = ("indices", "instance", "open", "reader", "request", "started", "stream")
 
     def __init__(self, request: EngineRequest, indices: list[int], instance) -> None:
         self.request = request
@@ -52,7 +53,8 @@ class _Leg:
         self.instance = instance
         self.open = len(indices)  # sequences not finished yet
         self.started = False  # an output arrived
-        self.reader: asyncio.Task | None = None
+        self.stream: ResponseStream[EngineOutput] | None = None
+        self.reader: asyncio.Task | None = None  # None: the caller reads the stream itself
 
 
 class WorkerClient:
@@ -66,10 +68,11 @@ class WorkerClient:
     tokens they already produced, at most `migration_limit` times per request; the caller's
     stream goes on without a gap.
 
-    Each request-plane stream is read by a task of its own (a stream belongs to the task that
-    reads it), so callers may read the outputs from any task; it hands over every output that
-    has arrived at once, and the bounded queue between them keeps the request plane's
-    backpressure. The outputs of one sequence handed over together are merged into one.
+    A request on one worker (the usual case) is read straight from its request-plane stream
+    by whichever task iterates the outputs. Once a migration splits a request over several
+    workers, each stream is read by a task of its own into a bounded queue (which keeps the
+    request plane's backpressure). Either way every output that has arrived is taken at
+    once, and the outputs of one sequence taken together are merged into one.
     """
 
     def __init__(
@@ -140,11 +143,15 @@ class WorkerClient:
         yielded = False  # the caller has an output: failures end as WorkerFailed now
         cached = 0  # the first worker's prefix-cache hit, reported for the whole request
         try:
-            await self._open(model, request, list(range(len(tokens))), tried, queue, legs)
+            await self._open(model, request, list(range(len(tokens))), tried, queue, legs, True)
             while legs:
-                leg, item = await queue.get()
-                if leg not in legs:
-                    continue  # a leg dropped already
+                leg = next(iter(legs)) if len(legs) == 1 else None
+                if leg is not None and leg.reader is None:
+                    item = await self._next(leg)
+                else:
+                    leg, item = await queue.get()
+                    if leg not in legs:
+                        continue  # a leg dropped already
                 if type(item) is list:
                     for out in _coalesce(item):
                         if out.error is not None:
@@ -190,8 +197,9 @@ class WorkerClient:
                 )
                 try:
                     moved = _continuations(request, leg, tokens, finished, migrations, yielded)
+                    alone = not legs and len(moved) == 1
                     for new, indices in moved:
-                        await self._open(model, new, indices, tried, queue, legs)
+                        await self._open(model, new, indices, tried, queue, legs, alone)
                 except NoWorkerAvailable as e:
                     if yielded:
                         raise WorkerFailed(f"{_reason(error)}; {e}") from e
@@ -208,18 +216,23 @@ class WorkerClient:
         tried: set[str],
         queue: asyncio.Queue,
         legs: set[_Leg],
+        alone: bool,
     ) -> None:
-        """Route `request` and start reading its stream as a new leg."""
+        """Route `request` as a new leg; unless it is to be the only one, a task reads it."""
         instance = await self._route(model, request, tried)
         leg = _Leg(request, indices, instance)
         legs.add(leg)
-        leg.reader = asyncio.create_task(self._read(leg, queue))
+        if not alone:
+            leg.reader = asyncio.create_task(self._read(leg, queue))
 
     async def _drop(self, leg: _Leg, legs: set[_Leg]) -> None:
-        """Stop a leg's reading task (the worker aborts what is left) and tell the policy."""
+        """Stop reading a leg (the worker aborts what is left) and tell the policy."""
         legs.discard(leg)
-        leg.reader.cancel()
-        await asyncio.gather(leg.reader, return_exceptions=True)
+        if leg.reader is not None:
+            leg.reader.cancel()
+            await asyncio.gather(leg.reader, return_exceptions=True)
+        if leg.stream is not None:
+            leg.stream.cancel()
         self.policy.finished(leg.request.request_id)
 
     async def _route(self, model: str, request: EngineRequest, tried: set[str]):
@@ -245,25 +258,30 @@ class WorkerClient:
         except AllWorkersBusy as e:
             raise QueueFull(f"{e} for {self.busy_wait:g}s") from None
 
-    async def _read(self, leg: _Leg, queue: asyncio.Queue) -> None:
-        """Put the leg's outputs on `queue`, as many at a time as have arrived, then _END or
-        the error; waiting for the queue does not count against the next-token deadline."""
+    async def _next(self, leg: _Leg) -> list[EngineOutput] | BaseException | object:
+        """The leg's outputs that have arrived (waiting for one), else _END or its error."""
         limit = self.next_token_timeout
         try:
-            stream = self.endpoint.generate(leg.instance, leg.request, next_timeout=limit)
-            async with stream:
-                while True:
-                    try:
-                        outs = await stream.batch()
-                    except StopAsyncIteration:
-                        break
-                    await queue.put((leg, outs))
-            item = _END
+            if leg.stream is None:
+                leg.stream = self.endpoint.generate(
+                    leg.instance, leg.request, next_timeout=limit, owned=False
+                )
+            return await leg.stream.batch()
+        except StopAsyncIteration:
+            return _END
         except StreamTimeoutError:
-            item = NextTokenTimeout(f"no output from the worker for {limit:g}s")
+            return NextTokenTimeout(f"no output from the worker for {limit:g}s")
         except Exception as e:
-            item = e
-        await queue.put((leg, item))
+            return e
+
+    async def _read(self, leg: _Leg, queue: asyncio.Queue) -> None:
+        """A leg's reading task: its outputs onto `queue` until _END or its error; waiting
+        for the queue does not count against the next-token deadline."""
+        while True:
+            item = await self._next(leg)
+            await queue.put((leg, item))
+            if type(item) is not list:
+                return
 
 
 def _coalesce(outs: list[EngineOutput]) -> list[EngineOutput]:

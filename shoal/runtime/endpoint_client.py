@@ -99,11 +99,13 @@ class EndpointClient(Generic[T]):
         request: Any,
         *,
         next_timeout: float | None = None,
+        owned: bool = True,
     ) -> ResponseStream[T]:
         """Stream `request` to `instance` (a record or a known instance id).
 
         next_timeout: seconds each response may take; past it the stream is cancelled and
         raises StreamTimeoutError (a WorkerLostError: the request may move elsewhere).
+        owned: the stream belongs to the task that first reads it (see ResponseStream).
         """
         if isinstance(instance, str):
             record = self._instances.get(instance)
@@ -112,7 +114,12 @@ class EndpointClient(Generic[T]):
         else:
             record = instance
         return self._requests.stream(
-            record.address, self._name, request, self._response_type, next_timeout=next_timeout
+            record.address,
+            self._name,
+            request,
+            self._response_type,
+            next_timeout=next_timeout,
+            owned=owned,
         )
 
     async def _follow(self) -> None:

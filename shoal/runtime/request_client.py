@@ -62,7 +62,8 @@ class ResponseStream(Generic[T]):
     Ends with StopAsyncIteration when the handler finishes, or raises the stream's error
     (after any responses that arrived before it). The stream belongs to the task that first
     reads it: calling cancel(), leaving `async with`, dropping the stream, or the end of that
-    task (cancelled or not) before the stream's end cancels the handler on the worker.
+    task (cancelled or not) before the stream's end cancels the handler on the worker. An
+    unowned stream (`owned=False`) may be read from any task; its reader must cancel it.
 
     `next_timeout` (seconds, None for none; a change applies from the next wait) bounds
     each wait for the next response: when it passes, the stream is cancelled and raises
@@ -78,6 +79,7 @@ class ResponseStream(Generic[T]):
         "_done",
         "_error",
         "_items",
+        "_owned",
         "_owner",
         "_owner_callback",
         "_rid",
@@ -97,8 +99,10 @@ class ResponseStream(Generic[T]):
         decode: Callable[[bytes], T],
         credit_every: int,
         next_timeout: float | None = None,
+        owned: bool = True,
     ) -> None:
         self._conn = conn
+        self._owned = owned
         self.next_timeout = next_timeout
         self._rid = rid
         self.endpoint = endpoint
@@ -119,7 +123,7 @@ class ResponseStream(Generic[T]):
 
     async def __anext__(self) -> T:
         items = self._items
-        if self._owner_callback is None and not self._done:
+        if self._owner_callback is None and self._owned and not self._done:
             self._bind_owner()
         while not items:
             if self._done:
@@ -279,11 +283,13 @@ class _Connection:
         payload: bytes,
         decode: Callable[[bytes], Any],
         next_timeout: float | None,
+        owned: bool,
     ) -> ResponseStream[Any]:
         self.next_rid += 1
         rid = self.next_rid
         window = self.client.window
-        stream = ResponseStream(self, rid, endpoint, decode, max(1, window // 2), next_timeout)
+        credit_every = max(1, window // 2)
+        stream = ResponseStream(self, rid, endpoint, decode, credit_every, next_timeout, owned)
         if not self.streams:
             self.waiting_since = time.monotonic()
         self.streams[rid] = stream
@@ -450,17 +456,19 @@ class RequestClient:
         response_type: type[T],
         *,
         next_timeout: float | None = None,
+        owned: bool = True,
     ) -> ResponseStream[T]:
         """Send `request` to `endpoint` on the worker at `address`; iterate the result.
 
         next_timeout: seconds each response may take before the stream fails with
-        StreamTimeoutError (None: no limit but the connection's liveness).
+        StreamTimeoutError (None: no limit but the connection's liveness). owned: the stream
+        belongs to the task that first reads it (see ResponseStream).
         """
         conn = self._conns.get(address)
         if conn is None:
             conn = self._conns[address] = _Connection(self, address)
         payload = ENCODER.encode(request)
-        return conn.open(endpoint, payload, decoder(response_type).decode, next_timeout)
+        return conn.open(endpoint, payload, decoder(response_type).decode, next_timeout, owned)
 
     def probe(self, address: str, within: float) -> None:
         """Check the worker at `address` answers within `within` s, else fail its streams."""

@@ -348,3 +348,24 @@ def test_a_consumer_that_falls_behind_gets_every_token_once():
     outputs = run(main())
     assert tokens_by_index(outputs, 2) == [list(range(40)), list(range(100, 140))]
     assert [o.index for o in outputs if o.finished] in ([0, 1], [1, 0])
+
+
+def test_outputs_may_be_read_in_one_task_and_then_another():
+    """RequestRun.open takes the first output in a task of its own; the stream outlives it."""
+    script = Script(failures=0)
+    req = request()
+
+    async def body(client, runtimes):
+        stream = client.generate(MODEL, req)
+
+        async def first():
+            return await anext(stream)
+
+        outputs = [await asyncio.create_task(first())]
+        outputs += [o async for o in stream]
+        return outputs, client.policy
+
+    outputs, policy = run(with_client(script, body))
+    assert tokens_by_index(outputs, 1) == expected(req)
+    assert len(script.received) == 1  # read on, never moved
+    check_bookkeeping(policy)
