@@ -2,16 +2,20 @@
 batches unconstrained (issue 17's measure: batch 1, 64 and 256 on a Qwen3-0.6B shape).
 
 The engine's model folder is generated (random weights, no tokenizer), so the grammar runs over
-a synthetic vocabulary of the model's size: the 256 single bytes, then pieces of 1-8 characters
-drawn from JSON's alphabet and words. Each constrained request follows SCHEMA, whose unbounded
-array keeps a random model inside the grammar until max_tokens. One JSON line per batch size.
+a real BPE vocabulary given with --vocab-file (a tiktoken ranks file, such as Qwen's), padded to
+the model's size, or else over a synthetic one: the 256 single bytes, then pieces of JSON's
+alphabet and words. SCHEMA's leaves are enums, booleans and bounded integers, so a random
+model walks through the object's structure instead of staying in one free-text string, and
+its unbounded last array keeps it inside the grammar until max_tokens. One JSON line per
+batch size.
 
-    python benchmarks/structured_bench.py --shape qwen3-0.6b --device cuda
+    python benchmarks/structured_bench.py --shape qwen3-0.6b --device cuda --vocab-file qwen.tiktoken
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 import time
@@ -29,10 +33,21 @@ from shoal.protocol import EngineRequest, SamplingParams, StructuredOutputsParam
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"enum": ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra"]},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "active": {"type": "boolean"},
+        "level": {"type": "integer", "minimum": 0, "maximum": 99},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Lagos", "Lima", "Osaka"]},
+                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+            },
+            "required": ["city", "zip"],
+        },
         "values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}},
     },
-    "required": ["name", "values"],
+    "required": ["name", "role", "active", "level", "address", "values"],
 }
 ALPHABET = [*'abcdefghijklmnopqrstuvwxyz0123456789{}[]":, ', "name", "values", "true"]
 
@@ -47,12 +62,21 @@ def synthetic_vocab(size: int, seed: int = 0) -> list[bytes]:
     return vocab
 
 
-def use_synthetic_grammars(engine: LLMEngine) -> None:
+def tiktoken_vocab(path: str, size: int) -> list[bytes]:
+    """A real BPE vocabulary from a tiktoken ranks file (one `base64-token rank` a line),
+    padded to the model's size with tokens the grammar never allows."""
+    vocab = [base64.b64decode(line.split()[0]) for line in Path(path).read_text().splitlines()]
+    return vocab[:size] + [f"<|pad{i}|>".encode() for i in range(len(vocab), size)]
+
+
+def use_grammars_over(engine: LLMEngine, vocab_file: str | None) -> None:
+    """Grammars over a real vocabulary from `vocab_file`, else over a synthetic one."""
     import xgrammar as xgr
 
     from shoal.engine.structured import GrammarCompilerPool
 
-    vocab = synthetic_vocab(engine.model_config.vocab_size)
+    size = engine.model_config.vocab_size
+    vocab = tiktoken_vocab(vocab_file, size) if vocab_file else synthetic_vocab(size)
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, stop_token_ids=[0])
     engine._grammars = GrammarCompilerPool(info)
 
@@ -116,10 +140,16 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument(
+        "--vocab-file",
+        default=None,
+        help="tiktoken ranks file of a real BPE vocabulary (e.g. Qwen's qwen.tiktoken) for the "
+        "grammar; default: a synthetic vocabulary",
+    )
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = parser.parse_args()
     engine = make_engine(args.shape, args)
-    use_synthetic_grammars(engine)
+    use_grammars_over(engine, args.vocab_file)
     for batch in (int(b) for b in args.batches.split(",")):
         decode_rate(engine, min(batch, 8), True, args)  # warm-up (kernels, compile cache)
         free = decode_rate(engine, batch, False, args)
@@ -129,6 +159,7 @@ def main() -> None:
             "shape": args.shape,
             "device": device_name(engine),
             "batch": batch,
+            "vocabulary": Path(args.vocab_file).name if args.vocab_file else "synthetic",
             "unconstrained": free,
             "json_schema": masked,
             "throughput_ratio": masked["tokens_per_s"] / free["tokens_per_s"],

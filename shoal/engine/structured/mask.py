@@ -29,8 +29,8 @@ class GrammarMask:
     """Fills one step's bitmask for its constrained rows (in xgrammar's threads) and masks
     those rows of the logits; unconstrained rows are not touched."""
 
-    def __init__(self, max_threads: int = 4) -> None:
-        self._fill = xgr.BatchGrammarMatcher(max_threads)
+    def __init__(self, max_threads: int | str = "auto") -> None:
+        self._fill = xgr.BatchGrammarMatcher(max_threads)  # auto: half the hardware threads
         self._host: torch.Tensor | None = None
 
     def _bitmask(self, rows: int, vocab: int, pin: bool) -> torch.Tensor:
