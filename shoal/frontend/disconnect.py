@@ -36,17 +36,29 @@ async def _disconnected(receive: Receive) -> None:
 async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     """Await `work` unless the client disconnects first: then cancel it and raise ClientGone.
 
-    Call only once the request body has been read: this reads the ASGI receive channel.
+    `work` runs in the calling task (no task of its own to start or to switch to); a watcher
+    task cancels the caller when the disconnect comes. Call only once the request body has
+    been read: this reads the ASGI receive channel.
     """
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
+    task = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnected(receive)
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            raise ClientGone from None
+        raise
     finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))  # let it unwind (closing engine streams aborts them)
-    if task.cancelled():
+        watcher.cancel()
+    if gone:  # the work caught the cancellation
+        task.uncancel()
         raise ClientGone
-    return task.result()
+    return result
