@@ -47,6 +47,7 @@ from shoal.engine.parallel.memory import (
 from shoal.engine.parallel.plan import decode_plan
 
 if TYPE_CHECKING:
+    from shoal.engine.model_runner import ModelRunner
     from shoal.layers.parallel import TPGroup
     from shoal.models.config import ModelConfig
 
@@ -112,8 +113,8 @@ class _Follower:
     ) -> None:
         self.config, self.cfg, self.model = config, cfg, model
         self.device, self.tp, self.rank = device, tp, rank
-        self.runner = None
-        self.tiers = None  # ShardTiers, with the lower KV tiers
+        self.runner: ModelRunner | None = None
+        self.tiers: ShardTiers | None = None  # with the lower KV tiers
 
     def handle(self, tag: bytes, body: bytes) -> bytes | None:
         """Carry out one command; the reply to send back, for those that have one."""
