@@ -308,7 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=("uniform", "mooncake"), default="uniform")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--splits", default="all", help="prefill worker counts to try (all: 1..gpus-1)")
-    p.add_argument("--requests", type=int, default=300, help="uniform: requests per run")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=1000,
+        help="uniform: requests per run (300 overstate goodput near saturation: the run ends "
+        "before the queues it starts empty have grown)",
+    )
     p.add_argument("--seeds", default="0", help="uniform: workload seeds, each searched apart")
     p.add_argument("--rows", default="0:600", help="mooncake: trace rows")
     p.add_argument("--trace", type=Path, default=MOONCAKE)
