@@ -13,7 +13,7 @@ import numpy as np
 EMPTY, GONE = -1, -2  # slot states in the id array (a live slot holds an id >= 0)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIN_SLOTS = 1 << 12
-_WINDOW = np.arange(8)  # slots probed together (a cache line of keys)
+_WINDOW = np.arange(8)  # slots probed together (a cache line of keys); 8 bools read as a uint64
 _ONE_PROBE_FIRST = 256  # keys in a call above which each key's home slot is probed alone first
 
 
@@ -33,9 +33,9 @@ class BlockTable:
         return len(self.key_of)
 
     def ids(self, keys: np.ndarray) -> np.ndarray:
-        """The id of each key (int64), -1 where the key is absent."""
+        """The id of each key, -1 where the key is absent."""
         pos = self._find(keys)
-        out = self._ids[pos].astype(np.int64)
+        out = self._ids[pos]
         out[pos < 0] = -1
         return out
 
@@ -83,12 +83,10 @@ class BlockTable:
             window = (pos[:, None] + _WINDOW) & self._mask
             ids = self._ids[window]
             match = (self._keys[window] == keys[:, None]) & (ids >= 0)
-            ended = match | (ids == EMPTY)
-            stop = ended.any(axis=1)
-            first = ended.argmax(axis=1)
-            hit = stop & match[np.arange(len(todo)), first]
-            found[todo[hit]] = window[hit, first[hit]]
-            go_on = ~stop
+            row, col = np.nonzero(match)  # a key is never stored past an empty slot
+            found[todo[row]] = window[row, col]
+            # a row of 8 bools read as one uint64: nonzero if any is set
+            go_on = (match.view(np.uint64)[:, 0] == 0) & ((ids == EMPTY).view(np.uint64)[:, 0] == 0)
             todo, keys, pos = todo[go_on], keys[go_on], pos[go_on] + len(_WINDOW)
         return found
 
@@ -104,7 +102,7 @@ class BlockTable:
         while len(keys):
             window = (pos[:, None] + _WINDOW) & self._mask
             open_ = self._ids[window] < 0
-            some = open_.any(axis=1)
+            some = open_.view(np.uint64)[:, 0] != 0
             target = np.where(some, window[np.arange(len(keys)), open_.argmax(axis=1)], pos)
             pos = self._claim(target, keys, ids, some)
             more = pos >= 0

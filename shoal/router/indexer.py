@@ -120,10 +120,10 @@ def _leading(rows: np.ndarray, columns: _Columns) -> dict[str, int]:
     if not len(rows):
         return {}
     acc = np.bitwise_and.accumulate(rows, axis=0)
-    if acc.shape[1] == 1:
-        changes = np.flatnonzero(acc[1:, 0] != acc[:-1, 0])
-    else:
-        changes = np.flatnonzero((acc[1:] != acc[:-1]).any(axis=1))
+    changed = acc[1:, 0] != acc[:-1, 0]
+    for word in range(1, acc.shape[1]):  # word by word: faster than any() across a row
+        changed |= acc[1:, word] != acc[:-1, word]
+    changes = np.flatnonzero(changed)
     lost = np.concatenate([acc[changes] & ~acc[changes + 1], acc[-1:]])
     depth = np.append(changes + 1, len(rows))
     bits = np.unpackbits(lost.astype("<u8", copy=False).view(np.uint8), axis=1, bitorder="little")
