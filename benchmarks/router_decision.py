@@ -108,7 +108,7 @@ def build_index(
     t0 = time.perf_counter()
     for worker, events in stored:
         router.indexer.apply_batch(worker, events)
-    router.indexer.num_distinct_blocks()  # applies what the index still queues
+    router.indexer.flush()  # what the index still queues
     seconds = time.perf_counter() - t0
     return stored, seconds, len(stored) * per_prefix
 
@@ -136,7 +136,7 @@ def churn(router: KvRouter, stored: list[tuple[str, list[BlockStored]]]) -> tupl
         router.indexer.apply(worker, event)
     for worker, events in sample:
         router.indexer.apply_batch(worker, events)
-    router.indexer.num_distinct_blocks()
+    router.indexer.flush()
     seconds = time.perf_counter() - t0
     return seconds, 2 * len(sample) * (FILLER_TOKENS // BLOCK)
 

@@ -32,10 +32,10 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Iterable, Iterator, Sequence, Set
 from functools import partial
-from itertools import filterfalse, repeat
-from operator import is_not
+from itertools import accumulate, filterfalse, groupby, repeat, takewhile
+from operator import and_, is_not
 
 import numpy as np
 
@@ -53,7 +53,8 @@ from shoal.router.block_table import BlockTable
 log = logging.getLogger(__name__)
 
 _INDEXED_MEDIA = (None, MEDIUM_GPU)
-FLUSH_OPS = 4096  # queued (worker, block) changes that are applied without waiting for a read
+FLUSH_OPS = 1024  # queued (worker, block) changes applied without waiting for a lookup
+SHORT_PROMPT_BLOCKS = 256  # prompts up to this many blocks are looked up without numpy
 _not_none = partial(is_not, None)
 
 
@@ -101,6 +102,14 @@ class _Held:
         self.dups = 0  # router hashes held by more than one engine block
 
 
+def _bits_of(mask: int) -> Iterator[int]:
+    """The positions of the set bits of a Python int."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
 def _u64(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(hashes, np.ndarray):
         return hashes.astype(np.uint64, copy=False)
@@ -141,6 +150,7 @@ class KvIndexer:
         self._table = BlockTable()
         self._bits = np.zeros((self._table.id_capacity, 1), np.uint64)  # block id -> mask
         self._held: dict[str, _Held] = {}
+        self._id_of: dict[int, int] = {}  # the table as a dict, for short lookups
         # (worker, block) changes not yet in the table and masks: router hash, column, held
         self._keys: list[int] = []
         self._cols: list[int] = []
@@ -273,7 +283,7 @@ class KvIndexer:
                 router_of[name] = key
                 self._add(held, key)
         if len(self._keys) >= FLUSH_OPS:
-            self._flush()
+            self.flush()
 
     def remove(self, worker_id: str, engine_hashes: Iterable[EngineBlockHash]) -> None:
         """Forget these blocks (by the engine's hashes); blocks not held are ignored."""
@@ -286,7 +296,7 @@ class KvIndexer:
             for key in keys:
                 self._drop(held, key)
         if len(self._keys) >= FLUSH_OPS:
-            self._flush()
+            self.flush()
 
     def clear(self, worker_id: str) -> None:
         """Forget every block of `worker_id`, keeping the worker known (with no blocks)."""
@@ -305,10 +315,10 @@ class KvIndexer:
 
     def remove_worker(self, worker_id: str) -> None:
         self._forget(worker_id)
-        self._flush()
+        self.flush()
         if self.lower is not None:
             self.lower._forget(worker_id)
-            self.lower._flush()
+            self.lower.flush()
         if self._peer is None or self.lower is not None:  # the index owning the columns
             self._columns.release(worker_id)
 
@@ -319,13 +329,37 @@ class KvIndexer:
         in one pass; the masks of the leading blocks the index knows are ANDed cumulatively
         and each worker's overlap is where its bit drops out.
         """
-        self._flush()
+        self.flush()
         if not len(block_hashes) or not self._table.live:
             return {}
+        if len(block_hashes) <= SHORT_PROMPT_BLOCKS and not isinstance(block_hashes, np.ndarray):
+            return self._short_overlaps(block_hashes)
         ids = self._table.ids(_u64(block_hashes))
         missing = np.flatnonzero(ids < 0)
         depth = int(missing[0]) if len(missing) else len(ids)
         return _leading(self._bits[ids[:depth]], self._columns)
+
+    def _short_overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """overlaps() for a short prompt, where numpy's cost per call would dominate: ids
+        from the dict mirror, masks as Python ints, ANDed and grouped into runs in C."""
+        ids = list(takewhile(_not_none, map(self._id_of.get, block_hashes)))
+        if not ids:
+            return {}
+        rows = self._bits[ids].astype("<u8", copy=False)
+        step = 8 * rows.shape[1]
+        data = rows.tobytes()
+        masks = [int.from_bytes(data[i : i + step], "little") for i in range(0, len(data), step)]
+        names = self._columns.names
+        result: dict[str, int] = {}
+        depth, held = 0, masks[0]
+        for mask, run in groupby(accumulate(masks, and_)):
+            for worker in _bits_of(held & ~mask):
+                result[names[worker]] = depth
+            held = mask
+            depth += len(list(run))
+        for worker in _bits_of(held):
+            result[names[worker]] = depth
+        return result
 
     def tiered_overlaps(
         self, block_hashes: Sequence[int] | np.ndarray, gpu: dict[str, int]
@@ -336,8 +370,8 @@ class KvIndexer:
         lower = self.lower
         if lower is None or not len(block_hashes):
             return {}
-        self._flush()
-        lower._flush()
+        self.flush()
+        lower.flush()
         if not lower._table.live:
             return {}
         keys = _u64(block_hashes)
@@ -356,7 +390,7 @@ class KvIndexer:
 
     def num_distinct_blocks(self) -> int:
         """Blocks held by at least one worker (each counted once)."""
-        self._flush()
+        self.flush()
         return self._table.live
 
     def workers(self) -> set[str]:
@@ -397,8 +431,9 @@ class KvIndexer:
         self._cols += repeat(column, len(keys))
         self._sets += repeat(held, len(keys))
 
-    def _flush(self) -> None:
-        """Apply the queued (worker, block) changes to the table and the masks at once."""
+    def flush(self) -> None:
+        """Apply the queued (worker, block) changes to the table and the masks at once
+        (lookups do it first)."""
         if not self._keys:
             return
         keys = np.frombuffer(array("Q", self._keys), np.uint64)
@@ -422,6 +457,7 @@ class KvIndexer:
             ids = np.unique(ids)
             dead = ids[~self._bits[ids].any(axis=1)]
             if len(dead):
+                deque(map(self._id_of.__delitem__, self._table.key_of[dead].tolist()), maxlen=0)
                 self._table.remove(dead)
 
     def _fit(self) -> None:
@@ -439,7 +475,9 @@ class KvIndexer:
         missing = ids < 0
         if missing.any():
             new, inverse = np.unique(keys[missing], return_inverse=True)
-            ids[missing] = self._table.add(new)[inverse]
+            added = self._table.add(new)
+            ids[missing] = added[inverse]
+            self._id_of.update(zip(new.tolist(), added.tolist(), strict=True))
             self._fit()
         return ids
 

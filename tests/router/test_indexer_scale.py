@@ -12,6 +12,7 @@ import pytest
 
 from shoal.kv_hash import hash_blocks
 from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored
+from shoal.router import indexer
 from shoal.router.block_table import BlockTable
 from shoal.router.indexer import KvIndexer
 
@@ -146,6 +147,7 @@ def test_batches_over_many_workers_match_the_model(seed):
             query = query[: rng.randint(1, len(query))]
             gpu = index.overlaps(query)
             assert gpu == model.overlaps(query, "GPU")
+            assert index.overlaps(np.array(query, np.uint64)) == gpu  # the numpy path
             both = model.overlaps(query, *TIERS)
             deeper = {w: d for w, d in both.items() if d > gpu.get(w, 0)}
             assert index.tiered_overlaps(query, gpu) == deeper
@@ -185,3 +187,20 @@ def test_one_batch_naming_a_block_twice_or_one_content_under_two_names():
     index.apply("a", BlockRemoved(block_hashes=[3]))
     assert index.overlaps(chain) == {}
     assert index.num_blocks("a") == 2
+
+
+def test_long_and_short_prompts_at_staggered_depths(monkeypatch):
+    monkeypatch.setattr(indexer, "SHORT_PROMPT_BLOCKS", 200)  # 300 blocks: numpy; 100: dicts
+    rng = random.Random(7)
+    tokens = [rng.randrange(1000) for _ in range(300 * BLOCK)]
+    chain = hash_blocks(tokens, BLOCK)
+    index = KvIndexer()
+    workers = 70
+    for w in range(workers):
+        depth = 300 * (w + 1) // workers
+        index.store(f"w{w}", chain[:depth], [("engine", w, i) for i in range(depth)])
+    expected = {f"w{w}": 300 * (w + 1) // workers for w in range(workers)}
+    assert index.overlaps(chain) == expected
+    assert index.overlaps(chain[:100]) == {w: min(d, 100) for w, d in expected.items()}
+    index.remove("w69", [("engine", 69, 250)])
+    assert index.overlaps(chain)["w69"] == 250

@@ -282,6 +282,8 @@ def test_random_event_streams_match_the_model(seed):
             for _ in range(20):
                 query = random_query(rng, sequences)
                 assert index.overlaps(query) == model.overlaps(query)
+                # a numpy array takes the path long prompts take
+                assert index.overlaps(np.array(query, np.uint64)) == model.overlaps(query)
             assert index.workers() == set(model.pairs)
             for w in workers:
                 assert index.blocks(w) == model.held(w)
