@@ -16,8 +16,10 @@ plane and the worker's host side add.
 ceiling: --concurrency streams for --duration seconds with --step-ms 0: the tokens/s one
 frontend process (or N) delivers to clients, with the CPU seconds each process used (from
 /proc), so the frontend's tokens per CPU-second say what it would reach on a core of its
-own. --profile runs the frontend (one process) under cProfile and records where its time
-goes.
+own. It also counts SSE events: a stream's tokens that reach the frontend together share
+an event, so tokens per event show how far behind the frontend ran (with --step-ms 10 and
+hundreds of streams, each step's token is its own event while the frontend keeps up).
+--profile runs the frontend (one process) under cProfile and records where its time goes.
 
 Appends a record per run to benchmarks/results/frontend.jsonl (provenance, the host's core
 count and load average before the run).
