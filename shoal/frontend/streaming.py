@@ -5,10 +5,11 @@ Chunks are plain dicts encoded by msgspec; nothing per token goes through pydant
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import types
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from typing import Any
 
 import msgspec
@@ -202,7 +203,8 @@ def _next_or_flush(
 
     Steps the generator by hand: what it has ready comes back without a flush, and the
     moment it would wait (on the engine) the events gathered so far go out, then the wait
-    goes on as the generator asked. A failed or cancelled flush is thrown into the generator.
+    goes on as the generator asked. If the flush fails (the task cancelled, the socket
+    gone), the generator unwinds as if cancelled and the failure goes on.
     """
     step = anext(events)
     try:
@@ -212,10 +214,15 @@ def _next_or_flush(
     try:
         yield from flush()
     except BaseException as e:
-        try:
-            wait = step.throw(e)
-        except StopIteration as done:
-            return done.value
+        cancel = e if isinstance(e, asyncio.CancelledError) else asyncio.CancelledError()
+        with suppress(asyncio.CancelledError, StopIteration):
+            yield from _resume(step, step.throw(cancel))
+        raise e
+    return (yield from _resume(step, wait))
+
+
+def _resume(step: Any, wait: Any) -> Generator[Any, Any, bytes]:
+    """Hand the waits of a generator's step to the running task until the step ends."""
     while True:
         try:
             sent = yield wait

@@ -130,3 +130,29 @@ def test_text_chunks_encode_as_the_general_chunk(include_usage):
             assert choice["index"] == index
             got = choice["text"] if kind == "text_completion" else choice["delta"]["content"]
             assert got == text
+
+
+def test_a_failed_write_unwinds_the_events_as_cancelled():
+    """A dead socket while the events wait: no error event is made of it; the run closes."""
+    seen: list[str] = []
+    sent: list[dict] = []
+
+    async def events():
+        try:
+            yield b"first;"
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        except Exception:
+            seen.append("error event")
+            yield b"error;"
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            raise OSError("connection reset")
+        sent.append(message)
+
+    scope, closed = serve(events(), send)
+    assert seen == ["cancelled"] and closed == ["run"]
+    assert client_gone(scope["state"])
