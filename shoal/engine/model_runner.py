@@ -149,6 +149,7 @@ class ModelRunner:
         # the last launch's draws on the device, and each sampled request's row in them
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        self._last_handle: StepHandle | None = None
         if device.type == "cuda":
             from shoal.kernels.paged_attention import DecodeWorkspace
 
@@ -341,6 +342,7 @@ class ModelRunner:
                 targets, *(t.tolist() for t in pieces), [num_top] * count
             )
         sample_reqs = [reqs[i] for i in sampled.tolist()]
+        self._catch_up_grammars(sample_reqs)
         self._last_rows = {r.request_id: j for j, r in enumerate(sample_reqs)}
         if sample_reqs:
             draw = self.sampler(logits[num_prompt_rows:], sample_reqs)
@@ -350,7 +352,26 @@ class ModelRunner:
             if self.device.type == "cuda":
                 handle.ready = torch.cuda.Event()
                 handle.ready.record()
+        self._last_handle = handle
         return handle
+
+    def _catch_up_grammars(self, reqs: list[Request]) -> None:
+        """Give each constrained sequence's grammar the token the previous launch is sampling
+        for it, so its mask is right without waiting for that step's outputs: the wait here
+        is for the previous step's draws only, while this step's forward pass runs."""
+        behind = [
+            r
+            for r in reqs
+            if r.grammar is not None and r.num_placeholders > r.grammar.ahead and not r.grammar.done
+        ]
+        if not behind:
+            return
+        last = self._last_handle
+        if last.ready is not None:
+            last.ready.synchronize()
+        tokens = last.draw.token_ids
+        for r in behind:
+            r.grammar.accept_ahead(int(tokens[self._last_rows[r.request_id]]))
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step's draws and return them."""

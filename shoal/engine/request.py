@@ -105,9 +105,9 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Whether its next step needs this step's token on the host first (penalties read
-        the tokens; a grammar's mask for the next token depends on this one)."""
-        return self.grammar is not None or self.needs_token_history
+        """Whether its next step needs this step's outputs processed first (penalties read
+        the token history; a grammar instead takes its pending token when it is masked)."""
+        return self.needs_token_history
 
     @property
     def output_token_ids(self) -> list[int]:

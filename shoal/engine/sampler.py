@@ -113,7 +113,9 @@ class Sampler:
 
     def _mask_grammars(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Forbid, in each constrained row, the tokens its grammar does not allow next."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        # a grammar already complete belongs to a sequence that stops on its pending token:
+        # the token sampled here is discarded
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.done]
         if not rows:
             return
         if self._grammar_mask is None:
