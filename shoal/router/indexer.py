@@ -12,19 +12,22 @@ mask of the workers holding it (one bit per worker, shared by every block: a blo
 one row of W/64 words however many workers hold it). A lookup finds the ids of all the
 prompt's blocks in one vectorised pass, gathers their masks and ANDs them cumulatively:
 where the running mask loses a worker's bit is that worker's overlap, so Python work is
-done only where the holders change.
+done only where the holders change. A short prompt (SHORT_PROMPT_BLOCKS), where numpy's
+cost per call would dominate, is looked up through a dict mirror of the table instead,
+its masks ANDed as Python ints.
 
 Events first update each worker's own dicts (engine hash -> router hash, router hash ->
 engine blocks with that content) with whole-batch dict operations in C, and queue the
 (worker, block) pairs that start or stop being held; the queue is applied to the table and
 the masks in one vectorised pass before any lookup, or once it holds FLUSH_OPS pairs, so
-numpy's cost per call is paid per thousands of blocks rather than per event. Blocks in GPU
-memory are indexed here; blocks in a worker's lower
-tiers (events with `medium` CPU or DISK, shoal.engine.kv_offload) go to a second index of
-the same kind, `lower`, with the same bit per worker, and tiered_overlaps says how far a
-prompt's prefix reaches through GPU and lower tiers together. A stored block's parent is
-looked up in both (a block offloaded to the host may be the child of one only the GPU
-holds, and the other way round).
+numpy's cost per call is paid per thousand blocks rather than per event.
+
+Blocks in GPU memory are indexed here; blocks in a worker's lower tiers (events with
+`medium` CPU or DISK, shoal.engine.kv_offload) go to a second index of the same kind,
+`lower`, with the same bit per worker, and tiered_overlaps says how far a prompt's prefix
+reaches through GPU and lower tiers together. A stored block's parent is looked up in both
+(a block offloaded to the host may be the child of one only the GPU holds, and the other
+way round).
 """
 
 from __future__ import annotations
