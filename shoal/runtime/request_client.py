@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_WINDOW = 64
+DEFAULT_WINDOW = 256  # responses in flight per stream; credit goes back every half window
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 
 
