@@ -11,7 +11,6 @@ tensor-parallel ranks, and runs it like they do; only rank 0 samples.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -45,7 +44,6 @@ class StepHandle:
     request_ids: list[str] = field(default_factory=list)  # of the sampled rows, in order
     draw: SampledTokens | None = None  # host tensors (pinned on CUDA)
     ready: torch.cuda.Event | None = None  # recorded after the copies to the host
-    finish: Callable[[], SampledTokens] | None = None  # its draws, while not queued yet
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
 
 
@@ -152,7 +150,6 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self._last_handle: StepHandle | None = None
-        self._unsampled: StepHandle | None = None  # launched, its draws not queued yet
         if device.type == "cuda":
             from shoal.kernels.paged_attention import DecodeWorkspace
 
@@ -328,7 +325,6 @@ class ModelRunner:
         with the scheduler, and the other ranks need only the tokens, which reach them in
         the next plan or, still on the device, by a broadcast of the draws.
         """
-        self._sample_pending()
         plan, sampled, prompt_lp = self._plan(sched)
         if self.followers is not None:
             self.followers.send_step(plan)
@@ -349,35 +345,15 @@ class ModelRunner:
         self._catch_up_grammars(sample_reqs)
         self._last_rows = {r.request_id: j for j, r in enumerate(sample_reqs)}
         if sample_reqs:
+            draw = self.sampler(logits[num_prompt_rows:], sample_reqs)
+            self._last_tokens = self.tp.broadcast(draw.token_ids)
             handle.request_ids = list(self._last_rows)
-            rows = logits[num_prompt_rows:]
-            masks = self.sampler.start_masks(sample_reqs, rows.shape[1], rows.is_cuda)
-            if masks is None:
-                self._sampled(handle, self.sampler(rows, sample_reqs))
-            else:
-                # the grammar masks fill on their thread while this thread goes on; the
-                # draws are queued at the next launch or collect, whichever comes first
-                prepared = self.sampler.prepare(rows, sample_reqs)
-                handle.finish = lambda: self.sampler.finish(prepared, masks)
-                self._unsampled = handle
+            handle.draw = draw.map(to_host)
+            if self.device.type == "cuda":
+                handle.ready = torch.cuda.Event()
+                handle.ready.record()
         self._last_handle = handle
         return handle
-
-    @torch.inference_mode()
-    def _sample_pending(self) -> None:
-        """Queue the draws of a launch whose grammar masks were being filled."""
-        handle, self._unsampled = self._unsampled, None
-        if handle is not None:
-            finish, handle.finish = handle.finish, None
-            self._sampled(handle, finish())
-
-    def _sampled(self, handle: StepHandle, draw: SampledTokens) -> None:
-        """Share a launch's draws with the other ranks and start their copy to the host."""
-        self._last_tokens = self.tp.broadcast(draw.token_ids)
-        handle.draw = draw.map(to_host)
-        if self.device.type == "cuda":
-            handle.ready = torch.cuda.Event()
-            handle.ready.record()
 
     def _catch_up_grammars(self, reqs: list[Request]) -> None:
         """Give each constrained sequence's grammar the token the previous launch is sampling
@@ -399,8 +375,6 @@ class ModelRunner:
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step's draws and return them."""
-        if handle.finish is not None:
-            self._sample_pending()
         out = RunnerOutput({}, {}, handle.prompt_logprobs)
         if handle.draw is None:
             return out

@@ -9,7 +9,6 @@ every token its grammar forbids masked to -inf before anything is drawn.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -56,41 +55,10 @@ class SampledTokens:
         )
 
 
-@dataclass
-class PreparedLogits:
-    """A step's logits with everything but the grammar masks applied (Sampler.prepare)."""
-
-    logits: torch.Tensor  # float32 [B, vocab]
-    requests: list[Request]
-    logprob_rows: list[int]  # the rows whose request wants logprobs
-    raw_logprobs: torch.Tensor | None  # their log-softmax before any processing
-
-
-@dataclass
-class GrammarMasks:
-    """The bitmask of one step's constrained rows, being filled on the mask thread."""
-
-    rows: list[int]  # the constrained rows of the step's logits
-    bitmask: Future  # of the host bitmask, a row per entry of rows
-
-
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
         self._grammar_mask = None  # a GrammarMask, built at the first constrained row
-
-    def start_masks(self, requests: list[Request], vocab: int, pin: bool) -> GrammarMasks | None:
-        """Begin filling the grammar masks of the constrained rows (on a worker thread);
-        None when no row is constrained. The grammars must not advance until they are used."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.done]
-        if not rows:
-            return None
-        if self._grammar_mask is None:
-            from shoal.engine.structured import GrammarMask
-
-            self._grammar_mask = GrammarMask()
-        grammars = [requests[i].grammar for i in rows]
-        return GrammarMasks(rows, self._grammar_mask.start(grammars, vocab, pin))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
         """Sample one token per row of logits [B, vocab]; row i belongs to requests[i].
@@ -101,32 +69,18 @@ class Sampler:
         if all(r.argmax_only for r in requests):
             # float32 holds every bf16/fp16 value exactly, so no float copy is needed first
             return SampledTokens(logits.argmax(dim=-1), [], [])
-        return self.finish(self.prepare(logits, requests))
-
-    def prepare(self, logits: torch.Tensor, requests: list[Request]) -> PreparedLogits:
-        """Queue everything before the grammar masks: the raw logprobs, penalties and the
-        early-stop masks, from the requests' state as it is now."""
         logits = logits.float()
         rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[rows], dim=-1) if rows else None
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_early_stops(logits, requests)
-        return PreparedLogits(logits, requests, rows, raw_logprobs)
-
-    def finish(self, prepared: PreparedLogits, masks: GrammarMasks | None = None) -> SampledTokens:
-        """Mask the constrained rows (with masks begun by start_masks, or filled here) and
-        draw every row's token, with the logprobs asked for."""
-        logits, requests, rows = prepared.logits, prepared.requests, prepared.logprob_rows
-        if masks is None:
-            masks = self.start_masks(requests, logits.shape[1], logits.is_cuda)
-        if masks is not None:
-            self._grammar_mask.apply(logits, masks.rows, masks.bitmask.result())
+        self._mask_grammars(logits, requests)
         tokens = self._sample(logits, requests)
         draw = SampledTokens(tokens, rows, [requests[i].sampling.logprobs for i in rows])
-        if prepared.raw_logprobs is not None:
+        if raw_logprobs is not None:
             index = to_device(rows, torch.int64, logits.device)
             draw.chosen, draw.ranks, draw.top_values, draw.top_ids = logprob_pieces(
-                prepared.raw_logprobs, tokens[index], max(draw.logprob_tops)
+                raw_logprobs, tokens[index], max(draw.logprob_tops)
             )
         return draw
 
@@ -156,6 +110,19 @@ class Sampler:
                 stops = to_device(list(r.stop_token_ids), torch.int64, logits.device)
                 logits[i].index_fill_(0, stops, float("-inf"))
         return logits
+
+    def _mask_grammars(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Forbid, in each constrained row, the tokens its grammar does not allow next."""
+        # a grammar already complete belongs to a sequence that stops on its pending token:
+        # the token sampled here is discarded
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.done]
+        if not rows:
+            return
+        if self._grammar_mask is None:
+            from shoal.engine.structured import GrammarMask
+
+            self._grammar_mask = GrammarMask()
+        self._grammar_mask.apply(logits, rows, [requests[i].grammar for i in rows])
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)

@@ -6,13 +6,9 @@ import xgrammar as xgr
 
 
 class RequestGrammar:
-    """A matcher over a compiled grammar for one sequence (n > 1 gives each its own).
+    """A matcher over a compiled grammar for one sequence (n > 1 gives each its own)."""
 
-    `done` is kept as a plain flag, updated by each accept, so reading it never touches the
-    matcher while a mask is being filled from it on another thread.
-    """
-
-    __slots__ = ("ahead", "done", "failed", "matcher")
+    __slots__ = ("ahead", "failed", "matcher")
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: frozenset[int]) -> None:
         self.matcher = xgr.GrammarMatcher(
@@ -21,20 +17,20 @@ class RequestGrammar:
             terminate_without_stop_token=not stop_token_ids,
         )
         self.failed = False  # a token outside the grammar was appended (cannot happen if masked)
-        self.done = False  # complete (and its stop token taken, where it has one) or broken
         self.ahead = 0  # tokens taken by accept_ahead that the sequence has not appended yet
 
     def accept(self, token_id: int) -> None:
         """Advance past a token the sequence appends (unless accept_ahead took it already)."""
         if self.ahead:
             self.ahead -= 1
-        else:
-            self._advance(token_id)
+        elif not self.failed and not self.matcher.accept_token(token_id):
+            self.failed = True
 
     def accept_ahead(self, token_id: int) -> None:
         """Advance past a token still being handed to the sequence (async scheduling: the
         next step's mask is needed before the previous step's outputs are processed)."""
-        self._advance(token_id)
+        if not self.failed and not self.matcher.accept_token(token_id):
+            self.failed = True
         self.ahead += 1
 
     def accept_all(self, token_ids: list[int]) -> None:
@@ -42,7 +38,7 @@ class RequestGrammar:
         for token_id in token_ids:
             self.accept(token_id)
 
-    def _advance(self, token_id: int) -> None:
-        if not self.failed and not self.matcher.accept_token(token_id):
-            self.failed = True
-        self.done = self.failed or self.matcher.is_terminated()
+    @property
+    def done(self) -> bool:
+        """The grammar is complete (and its stop token taken, where it has one) or broken."""
+        return self.failed or self.matcher.is_terminated()

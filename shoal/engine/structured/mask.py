@@ -1,9 +1,6 @@
-"""The per-step token bitmask: filled for the constrained rows only (on a worker thread, so
-the engine thread goes on with other work meanwhile), then applied to their logits."""
+"""The per-step token bitmask: filled for the constrained rows only, applied to their logits."""
 
 from __future__ import annotations
-
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import xgrammar as xgr
@@ -35,22 +32,6 @@ class GrammarMask:
     def __init__(self, max_threads: int | str = "auto") -> None:
         self._fill = xgr.BatchGrammarMatcher(max_threads)  # auto: half the hardware threads
         self._host: torch.Tensor | None = None
-        self._copied: torch.cuda.Event | None = None  # the last host-to-device copy of _host
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-
-    def start(self, grammars: list[RequestGrammar], vocab: int, pin: bool) -> Future:
-        """Begin filling the host bitmask of `grammars` (one row each) on the worker thread;
-        the future's result is that bitmask. The matchers must not advance until it is done."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the buffer is still being read by the last copy
-        bitmask = self._bitmask(len(grammars), vocab, pin)
-        matchers = [g.matcher for g in grammars]
-        return self._worker.submit(self._fill_rows, matchers, bitmask)
-
-    @torch.inference_mode()  # the buffer is made in the engine's inference mode
-    def _fill_rows(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor):
-        self._fill.batch_fill_next_token_bitmask(matchers, bitmask)
-        return bitmask
 
     def _bitmask(self, rows: int, vocab: int, pin: bool) -> torch.Tensor:
         width = -(-vocab // BITS)
@@ -60,9 +41,11 @@ class GrammarMask:
             self._host = host
         return host[:rows]
 
-    def apply(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-        """Mask logits[rows[k]] with row k of a filled bitmask, in place."""
+    def apply(self, logits: torch.Tensor, rows: list[int], grammars: list[RequestGrammar]) -> None:
+        """Mask logits[rows[k]] with grammars[k]'s allowed next tokens, in place."""
         vocab = logits.shape[1]
+        bitmask = self._bitmask(len(rows), vocab, logits.is_cuda)
+        self._fill.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
         if not logits.is_cuda:
             index = torch.tensor(rows, dtype=torch.int64)
             sub = logits.index_select(0, index)
@@ -70,8 +53,6 @@ class GrammarMask:
             logits.index_copy_(0, index, sub)
             return
         device_mask = bitmask.to(logits.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
         if len(rows) == logits.shape[0]:
             xgr.apply_token_bitmask_inplace(logits, device_mask, vocab_size=vocab)
             return
