@@ -3,7 +3,9 @@
 A prefill worker offers, best first: CUDA IPC (its cache is on a GPU), NIXL (a NIXL wheel
 imports), and always host. A decode worker starts the same set for itself and takes, per
 transfer, the first the prefill worker offers (auto), or only the one forced. An engine
-without a KV cache tensor (the mocker) moves its blocks over host only.
+without a KV cache tensor (the mocker) moves its blocks over host only, and so does one
+with tensor_parallel_size > 1: CUDA IPC and NIXL read this process's cache tensors, which
+then hold only rank 0's share of the KV heads, while host gathers every rank's share.
 """
 
 from __future__ import annotations
@@ -21,6 +23,21 @@ from shoal.runtime.request_client import RequestClient
 def kv_caches(core: LLMEngine) -> list[torch.Tensor]:
     """The engine's per-layer KV cache tensors (none for the mocker)."""
     return list(getattr(getattr(core, "runner", None), "kv_caches", None) or [])
+
+
+def direct_caches(backend: str, core: LLMEngine) -> list[torch.Tensor]:
+    """The cache tensors CUDA IPC and NIXL may read: none at tensor_parallel_size > 1, and
+    an error there if one of them is forced."""
+    caches = kv_caches(core)
+    size = core.config.tensor_parallel_size
+    if size == 1 or not caches:
+        return caches
+    if backend in ("nixl", "cuda_ipc"):
+        raise RuntimeError(
+            f"--kv-transfer-backend {backend} reads only tensor-parallel rank 0's KV heads "
+            f"(1/{size} of them at --tensor-parallel-size {size}); use host or auto"
+        )
+    return []
 
 
 def _check(backend: str) -> None:
@@ -46,7 +63,7 @@ def _check_cuda(backend: str, on_cuda: bool) -> None:
 async def start_exporters(backend: str, core: LLMEngine, name: str) -> list[KVExporter]:
     """A prefill worker's backends besides host, best first; `name`: its instance id."""
     _check(backend)
-    caches = kv_caches(core)
+    caches = direct_caches(backend, core)
     if not caches or backend == "host":
         return []
     on_cuda = caches[0].is_cuda
@@ -66,7 +83,7 @@ async def start_transports(
     """A decode worker's backends; `name`: its instance id."""
     _check(backend)
     host = HostTransport(requests)
-    caches = kv_caches(core)
+    caches = direct_caches(backend, core)
     if not caches:
         return Transports(host, [], None if backend == "auto" else backend)
     device = caches[0].device
