@@ -9,7 +9,8 @@ model walks through the object's structure instead of staying in one free-text s
 its unbounded last array keeps it inside the grammar until max_tokens. One JSON line per
 batch size.
 
-    python benchmarks/structured_bench.py --shape qwen3-0.6b --device cuda --vocab-file qwen.tiktoken
+    python benchmarks/structured_bench.py --shape qwen3-0.6b --device cuda \\
+        --vocab-file qwen.tiktoken
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def decode_rate(engine: LLMEngine, batch: int, constrained: bool, args) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -147,7 +148,11 @@ def main() -> None:
         "grammar; default: a synthetic vocabulary",
     )
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     engine = make_engine(args.shape, args)
     use_grammars_over(engine, args.vocab_file)
     for batch in (int(b) for b in args.batches.split(",")):
