@@ -2,6 +2,8 @@
 
 Text is released only once it is final: never half a UTF-8 character (DecodeStream waits
 for the bytes to complete) and never the first characters of what may become a stop string.
+Only the text not yet released is kept (at most the stop-string holdback between calls), so
+each call costs the length of its new text, however long the output grows.
 """
 
 from __future__ import annotations
@@ -23,37 +25,36 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.text = ""  # all decoded text (cut at a stop string once one is found)
-        self.emitted = 0  # characters of text already returned
+        self.pending = ""  # decoded text not yet returned: what may begin a stop string
         self.stop_reason: str | None = None
 
     def add_tokens(self, token_ids: list[int], final: bool = False) -> str:
         """Decode new tokens; return the newly final text. Sets stop_reason on a stop string."""
         if self.stop_reason is not None:
             return ""
-        searched_from = len(self.text)
-        for token_id in token_ids:
-            piece = self.stream.step(self.tokenizer, token_id)
-            if piece:
-                self.text += piece
-        if self.stop and self._find_stop(searched_from):
-            final = True
-        end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
-        new = self.text[self.emitted : end]
-        self.emitted = end
-        return new
+        step, tokenizer = self.stream.step, self.tokenizer
+        new = "".join(filter(None, [step(tokenizer, token_id) for token_id in token_ids]))
+        if not new and not final:
+            return ""
+        text = self.pending + new
+        if self.stop:
+            cut = self._find_stop(text)
+            if cut is not None:
+                text, final = text[:cut], True
+        keep = 0 if final else min(self.holdback, len(text))
+        self.pending = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
 
-    def _find_stop(self, searched_from: int) -> bool:
-        begin = max(0, searched_from - self.holdback)
+    def _find_stop(self, text: str) -> int | None:
+        """Where `text` ends once cut at its first stop string (None: none in it); sets
+        stop_reason. Text released earlier holds no stop string's start (the holdback)."""
         best = None
         for stop in self.stop:
-            at = self.text.find(stop, begin)
+            at = text.find(stop)
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is None:
-            return False
+            return None
         at, stop = best
         self.stop_reason = stop
-        self.text = self.text[: at + len(stop)] if self.include_stop else self.text[:at]
-        self.emitted = min(self.emitted, len(self.text))
-        return True
+        return at + len(stop) if self.include_stop else at
