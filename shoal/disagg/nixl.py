@@ -4,6 +4,11 @@ completion notification (the prefill request id) tells the prefill worker to unp
 
 NIXL's Python agent is not thread-safe as shoal creates it, and some of its calls block
 (registration pins memory): every call runs on the agent's own thread.
+
+UCX, under NIXL, turns its cuda_ipc transport's GET off on a GPU with no active NVLink
+(CUDA_IPC_ENABLE_GET_ZCOPY=auto), and then a READ of another process's VRAM goes over TCP
+at ~0.5 GB/s. The agent's UCX backend turns it on (UCX_GET_ZCOPY); a UCX_ environment
+variable of the same name still wins (docs/disagg.md, "NIXL on one host").
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ log = logging.getLogger(__name__)
 
 NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")  # wheels, newest CUDA first
 POLL_START, POLL_MAX = 0.0002, 0.005  # seconds between checks of a READ in flight
+UCX_GET_ZCOPY = "CUDA_IPC_ENABLE_GET_ZCOPY=on"  # the UCX backend's engine_config
 
 T = TypeVar("T")
 
@@ -53,8 +59,13 @@ class NixlAgent:
     def __init__(self, name: str, api: ModuleType) -> None:
         self.name = name
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        config = api.nixl_agent_config(backends=["UCX"])
-        self.agent = self._pool.submit(api.nixl_agent, name, config).result()
+        self.agent = self._pool.submit(self._make, api).result()
+
+    def _make(self, api: ModuleType) -> Any:
+        """The NIXL agent with its UCX backend, cuda_ipc GET on."""
+        agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=[]))
+        agent.create_backend("UCX", {"engine_config": UCX_GET_ZCOPY})
+        return agent
 
     @classmethod
     async def start(cls, name: str) -> NixlAgent | None:
