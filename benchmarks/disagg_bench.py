@@ -18,6 +18,11 @@ prefill worker (remote), and records:
 
     python3 benchmarks/disagg_bench.py --backends cuda_ipc,nixl,host
     python3 benchmarks/disagg_bench.py --copy-only
+    python3 benchmarks/disagg_bench.py --backends nixl --ucx-log /tmp/ucx
+
+--ucx-log DIR writes each worker's output to DIR/<backend>-<role>.log with UCX and NIXL
+logging at info (UCX_PROTO_INFO=y) and prints the lines that name UCX's transports and the
+protocols its GETs took (benchmarks/nixl_probe.py measures NIXL alone).
 
 Appends one record to benchmarks/results/disagg_bench.jsonl (with provenance).
 """
@@ -45,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import SHAPES
+from nixl_probe import log_env, ucx_lines
 from provenance import provenance
 from serving_bench import make_model_dir
 
@@ -74,7 +80,17 @@ class Worker:
         argv += ["--discovery", f"file://{folder}", "--metrics-port", str(self.port)]
         argv += ["--kv-cache-memory-bytes", str(args.kv_bytes), "--log-level", "warning"]
         argv += ["--kv-transfer-backend", args.backend, "--max-model-len", "17408"]
-        self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.log: Path | None = None
+        out = None
+        if args.ucx_log is not None:
+            env.update(log_env("info"))
+            self.log = args.ucx_log / f"{args.backend}-{role}.log"
+            out = self.log.open("w")
+        merged = subprocess.STDOUT if out is not None else None
+        self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=merged)
+        if out is not None:
+            out.close()  # the worker holds its own copy
 
     def metric(self, name: str) -> float:
         url = f"http://127.0.0.1:{self.port}/metrics"
@@ -234,12 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--copy-only", action="store_true", help="only the device copies, no workers")
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--ucx-log", type=Path, help="the workers' logs, UCX's choices printed")
     return p
 
 
 def main() -> int:
     args = build_parser().parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    if args.ucx_log is not None:
+        args.ucx_log.mkdir(parents=True, exist_ok=True)
     model = make_model_dir("llama-3.1-8b", Path(tempfile.mkdtemp(prefix="disagg-bench-")))
     copy = device_copy_gbps()
     print(f"device copy: {copy:.0f} GB/s", flush=True)
@@ -255,6 +274,8 @@ def main() -> int:
         finally:
             for w in workers:
                 w.stop()
+                if w.log is not None:
+                    print(f"  {w.log}:", *(f"    {x}" for x in ucx_lines(w.log)), sep="\n")
     if not args.no_record:
         record = {
             "bench": "disagg_bench",

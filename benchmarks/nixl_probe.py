@@ -162,21 +162,21 @@ def initiator(
 
 
 def ucx_lines(log: Path, limit: int = 80) -> list[str]:
-    """The lines of a UCX/NIXL log that say what was loaded and chosen, each once, with
-    UCX_PROTO_INFO's tables for ucp_get and ucp_put whole."""
+    """The lines of a UCX/NIXL log that say what was loaded and chosen, each once, with the
+    rows of UCX_PROTO_INFO's tables for ucp_get and ucp_put."""
     seen: set[str] = set()
     out: list[str] = []
-    table = 0  # lines of a ucp_get or ucp_put table still to keep
+    table = False  # within a ucp_get or ucp_put table
     for raw in log.read_text(errors="replace").splitlines():
         line = PREFIX.sub("", raw).rstrip()
         if TABLE.search(line):
-            table = 16
-        elif table and not ROW.search(line):
-            table = 0
-        if (table or WANTED.search(line)) and line not in seen:
+            table = True
+        elif table and (not ROW.search(line) or "cfg#" in line):
+            table = False  # the table's end, or the next table's title
+        keep = line.startswith("|") if table else WANTED.search(line)
+        if keep and line not in seen:
             seen.add(line)
             out.append(line)
-        table = max(table - 1, 0)
     return out[:limit]
 
 
