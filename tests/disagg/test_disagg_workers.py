@@ -2,7 +2,7 @@
 `--role decode`, and a DisaggClient in the test process; outputs match an aggregated engine
 token for token, only missing blocks travel, and pinned blocks never leak. Every test runs
 once per KV transfer backend: host and NIXL (where a NIXL wheel imports) on the CPU, and
-CUDA IPC with the workers on the GPU (marked gpu: the device machine runs it)."""
+CUDA IPC and NIXL with the workers on the GPU (marked gpu: the device machine runs them)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,14 @@ BACKENDS = [
         marks=[
             pytest.mark.gpu,
             pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+    pytest.param(  # NIXL reading VRAM: backend:device
+        "nixl:cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            pytest.mark.skipif(load_nixl() is None, reason="no NIXL wheel installed"),
         ],
     ),
 ]
@@ -145,9 +153,9 @@ def start_cluster(folder: Path, workers: list[Worker]) -> Frontend:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(request, llama_dir, tmp_path_factory):
-    backend = request.param
+    backend, _, device = request.param.partition(":")
     folder = tmp_path_factory.mktemp("disagg")
-    device = "cuda" if backend == "cuda_ipc" else "cpu"
+    device = device or ("cuda" if backend == "cuda_ipc" else "cpu")
     prefill = Worker(llama_dir, folder, "prefill", backend, device)
     decode = Worker(llama_dir, folder, "decode", backend, device)
     frontend = start_cluster(folder, [prefill, decode])
@@ -187,7 +195,7 @@ def request_for(
 
 def test_remote_prefill_matches_aggregated(cluster, reference, request):
     prefill, decode, frontend = cluster
-    backend = request.node.callspec.params["cluster"]
+    backend = request.node.callspec.params["cluster"].partition(":")[0]
     for i, (length, seed) in enumerate([(7, None), (83, None), (200, None), (90, 5)]):
         req = request_for(f"same-{i}", length, seed)
         remote = frontend.prefills("remote")
