@@ -183,10 +183,10 @@ def ucx_lines(log: Path, limit: int = 80) -> list[str]:
 def run_round(name: str, value: str | None, args: argparse.Namespace, logs: Path) -> dict:
     """Two fresh processes with KNOB as given (None: unset), their figures and log lines."""
     env = {KNOB: value} if value is not None else {}
-    logging = log_env(args.ucx_log_level)
-    saved = {k: os.environ.get(k) for k in (KNOB, *logging)}
+    log_vars = log_env(args.ucx_log_level)
+    saved = {k: os.environ.get(k) for k in (KNOB, *log_vars)}
     os.environ.pop(KNOB, None)
-    os.environ.update({**logging, **env})
+    os.environ.update({**log_vars, **env})
     ctx = mp.get_context("spawn")
     near, far = ctx.Pipe()
     results, sent = ctx.Pipe(duplex=False)
@@ -239,7 +239,7 @@ def device_copy_gbps(nbytes: int, reps: int, device: str) -> float:
     return nbytes * reps / (time.perf_counter() - start) / 1e9
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--mb", type=int, default=512, help="MiB moved per transfer")
     p.add_argument("--chunks", type=int, default=64, help="descriptors per transfer")
@@ -250,7 +250,11 @@ def main() -> int:
     p.add_argument("--log-dir", type=Path, help="the processes' logs (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per round")
     p.add_argument("--no-record", action="store_true")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if load_nixl() is None:
         raise SystemExit("no NIXL wheel imports (pip install nixl-cu13, or the wheel's path)")
     logs = args.log_dir or Path(tempfile.mkdtemp(prefix="nixl-probe-"))
