@@ -12,9 +12,8 @@ prefill worker (remote), and records:
 - the device's own copy bandwidth (a 1 GiB device-to-device copy), for comparison;
 - the CUDA IPC backend's copy alone (shoal.disagg.gather, in this process, on a copy stream
   with one wait as the backend runs it): GB/s of moving 1k/4k/16k tokens' blocks out of
-  32 layer caches, for blocks in one run and in a random order, by the automatic choice,
-  by one copy per run, by one gather per layer, and by the former one index_select per
-  layer, so the choice's threshold (MAX_RUN_COPIES) can be checked.
+  32 layer caches, for blocks in one run and in a random order, by one gather per layer
+  over 8-byte words, next to the former one index_select per layer.
 
     python3 benchmarks/disagg_bench.py --backends cuda_ipc,nixl,host
     python3 benchmarks/disagg_bench.py --copy-only
@@ -54,7 +53,7 @@ from nixl_probe import log_env, ucx_lines
 from provenance import provenance
 from serving_bench import make_model_dir
 
-from shoal.disagg.gather import MAX_RUN_COPIES, gather_blocks
+from shoal.disagg.gather import gather_blocks
 from shoal.frontend.disagg_client import DisaggClient
 from shoal.frontend.worker_client import WorkerClient
 from shoal.protocol import EngineRequest, SamplingParams
@@ -119,9 +118,6 @@ def device_copy_gbps(nbytes: int = 2**30, reps: int = 10) -> float:
     return nbytes * reps / (time.perf_counter() - start) / 1e9
 
 
-COPY_PATHS = {"auto": MAX_RUN_COPIES, "runs": 10**9, "gather": 0}
-
-
 def index_select_layers(caches: list[torch.Tensor], ids: list[int], out: torch.Tensor) -> None:
     """The CUDA IPC copy before shoal.disagg.gather: one index_select per layer."""
     index = torch.tensor(ids, dtype=torch.int64, device=caches[0].device)
@@ -152,10 +148,9 @@ def copy_paths_gbps(lengths: list[int], reps: int = 10) -> list[dict]:
         out = torch.empty((layers, 2, count, block, heads, dim), dtype=torch.bfloat16)
         out = out.to("cuda")
         copies = {
-            name: functools.partial(gather_blocks, caches, max_run_copies=limit, out=out)
-            for name, limit in COPY_PATHS.items()
+            "gather": functools.partial(gather_blocks, caches, out=out),
+            "index_select": functools.partial(index_select_layers, caches, out=out),
         }
-        copies["index_select"] = functools.partial(index_select_layers, caches, out=out)
         for order, ids in orders.items():
             for name, copy in copies.items():
                 stream.wait_stream(torch.cuda.current_stream())

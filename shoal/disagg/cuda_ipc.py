@@ -113,8 +113,8 @@ class CudaIpcTransport:
 
     def _gather(self, caches: list[torch.Tensor], ids: list[int], lay: KVLayout) -> torch.Tensor:
         """Blocks `ids` of every layer into one tensor on this device (in a thread: it
-        waits for the copies). The copies run on a stream of their own, one per run of
-        consecutive ids where the runs are few (shoal.disagg.gather), with one wait at the end."""
+        waits for the copies). The copies run on a stream of their own, one gather per layer
+        (shoal.disagg.gather), with one wait at the end."""
         shape = (lay.num_layers, 2, len(ids), lay.block_size, lay.num_kv_heads, lay.head_dim)
         out = torch.empty(shape, dtype=torch_dtype(lay), device=self.device)
         source = caches[0].device

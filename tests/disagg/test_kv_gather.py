@@ -1,14 +1,13 @@
-"""gather_blocks (the CUDA IPC backend's copy): whatever the block ids' runs, and by either
-path (a copy per run, or a gather per layer), the transfer tensor holds exactly the blocks
-asked for, in order, bit for bit. On the CPU here; on a GPU (marked gpu) on a copy stream
-of its own, as the CUDA IPC backend runs it."""
+"""gather_blocks (the CUDA IPC backend's copy): whatever the block ids' runs, the transfer
+tensor holds exactly the blocks asked for, in order, bit for bit. On the CPU here; on a GPU
+(marked gpu) on a copy stream of its own, as the CUDA IPC backend runs it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shoal.disagg.gather import MAX_RUN_COPIES, gather_blocks
+from shoal.disagg.gather import gather_blocks
 
 NUM_BLOCKS = 40
 DEVICES = [
@@ -41,37 +40,33 @@ def reference(layers: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
     return torch.stack([c.index_select(1, index) for c in layers])
 
 
-def run(layers: list[torch.Tensor], ids: list[int], max_run_copies: int) -> torch.Tensor:
+def run(layers: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
     out = torch.full((len(layers), 2, len(ids), *layers[0].shape[2:]), -7.0)
     out = out.to(layers[0].dtype).to(layers[0].device)
     if out.is_cuda:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            gather_blocks(layers, ids, out, max_run_copies)
+            gather_blocks(layers, ids, out)
         stream.synchronize()
     else:
-        gather_blocks(layers, ids, out, max_run_copies)
+        gather_blocks(layers, ids, out)
     return out
-
-
-PATHS = {"gather": 0, "auto": MAX_RUN_COPIES, "runs": 10**6}  # max_run_copies of each path
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(IDS))
-@pytest.mark.parametrize("path", list(PATHS))
-def test_blocks_arrive_in_order(device, name, path):
+def test_blocks_arrive_in_order(device, name):
     layers = caches(device, torch.bfloat16, (4, 2, 8))  # 128-byte rows: gathered as words
     ids = IDS[name]
-    assert torch.equal(run(layers, ids, PATHS[path]), reference(layers, ids))
+    assert torch.equal(run(layers, ids), reference(layers, ids))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_not_a_multiple_of_eight_bytes(device):
     layers = caches(device, torch.float16, (1, 1, 3))  # 6-byte rows: gathered as halves
     ids = IDS["few_runs"]
-    assert torch.equal(run(layers, ids, 0), reference(layers, ids))
+    assert torch.equal(run(layers, ids), reference(layers, ids))
 
 
 def test_no_blocks_and_wrong_shapes():
