@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -318,6 +319,8 @@ async def serve_worker(
         served.record.address,
         publisher.address,
     )
+    gc.collect()
+    gc.freeze()  # the engine's and the model's objects stay out of every full collection
     try:
         stopped = asyncio.create_task(stop.wait())
         dead = asyncio.create_task(died.wait())
