@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/frontend_bench.py latency --step-ms 10
     .venv/bin/python benchmarks/frontend_bench.py ceiling --api-server-count 1
     .venv/bin/python benchmarks/frontend_bench.py ceiling --api-server-count 1 --profile
+    .venv/bin/python benchmarks/frontend_bench.py latency --step-ms 10 --trace
 
 Starts `shoal worker --engine mocker` processes whose every step takes exactly --step-ms
 (every other timing coefficient 0) and a `shoal frontend` (--api-server-count N) on one file
@@ -20,6 +21,9 @@ own. It also counts SSE events: a stream's tokens that reach the frontend togeth
 an event, so tokens per event show how far behind the frontend ran (with --step-ms 10 and
 hundreds of streams, each step's token is its own event while the frontend keeps up).
 --profile runs the frontend (one process) under cProfile and records where its time goes.
+--trace (latency) runs the frontend and the worker under frontend_trace.py and records the
+median time of each hand-off a request and its tokens pass through (HTTP in, the endpoint,
+the request plane both ways, the engine thread, the step, the worker's loop, the SSE write).
 
 Appends a record per run to benchmarks/results/frontend.jsonl (provenance, the host's core
 count and load average before the run).
@@ -47,6 +51,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from frontend_trace import breakdown
 from provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,15 +115,20 @@ class Deployment:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         model = make_model_dir(work / "model")
         discovery = f"file://{work / 'discovery'}"
+        self.trace = work / "trace" if args.trace else None
+        shoal = ["-m", "shoal"]
+        if self.trace is not None:
+            self.trace.mkdir()
+            shoal = [str(Path(__file__).parent / "frontend_trace.py"), str(self.trace), *shoal]
         self.port = free_port()
         self.logs = (work / "processes.log").open("w")
-        worker = [sys.executable, "-m", "shoal", "worker", "--model", str(model)]
+        worker = [sys.executable, *shoal, "worker", "--model", str(model)]
         worker += ["--engine", "mocker", "--mocker-base-ms", str(args.step_ms)]
         worker += [a for flag in TIMING for a in (f"--mocker-{flag}", "0")]
         worker += ["--discovery", discovery, "--served-model-name", "mock"]
         worker += ["--log-level", "warning"]
         self.workers = [self._start(worker) for _ in range(args.workers)]
-        frontend = ["-m", "shoal", "frontend", "--discovery", discovery, "--port", str(self.port)]
+        frontend = [*shoal, "frontend", "--discovery", discovery, "--port", str(self.port)]
         frontend += ["--api-server-count", str(args.api_server_count), "--no-access-log"]
         frontend += ["--log-level", "warning"]
         self.profile = work / "frontend.prof" if args.profile else None
@@ -302,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help="tokens per stream (latency 64, ceiling 512)")
     p.add_argument("--prompt-words", type=int, default=32)
     p.add_argument("--profile", action="store_true", help="cProfile the frontend (ceiling)")
+    p.add_argument("--trace", action="store_true", help="time each hand-off (latency)")
     p.add_argument("--no-record", action="store_true", help="print only, append nothing")
     return p
 
@@ -313,8 +324,10 @@ def main() -> None:
         args.step_ms = 10.0 if latency_mode else 0.0
     if args.max_tokens is None:
         args.max_tokens = 64 if latency_mode else 512
-    if args.profile and args.api_server_count != 1:
-        raise SystemExit("--profile profiles one frontend process: --api-server-count 1")
+    if (args.profile or args.trace) and args.api_server_count != 1:
+        raise SystemExit("--profile and --trace watch one frontend process: --api-server-count 1")
+    if args.trace and not latency_mode:
+        raise SystemExit("--trace times the hand-offs of sequential streams: latency mode")
     load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="shoal-frontend-bench-"))
     deployment = Deployment(args, work)
@@ -340,10 +353,14 @@ def main() -> None:
         **({"requests": args.requests} if latency_mode else {}),
         **({} if latency_mode else {"concurrency": args.concurrency, "duration_s": args.duration}),
         "profiled": args.profile,
+        "traced": args.trace,
         **{k: round(v, 4) for k, v in figures.items()},
     }
     if deployment.profile is not None and deployment.profile.exists():
         record["profile_top"] = profile_top(deployment.profile, 25)
+    if deployment.trace is not None:
+        horizon = 3 * args.step_ms / 1e3 + 0.05
+        record["trace_ms"] = breakdown(str(deployment.trace), args.warmup, horizon)
     print(json.dumps(record, indent=1))
     if not args.no_record:
         RESULTS.parent.mkdir(exist_ok=True)
