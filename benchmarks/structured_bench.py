@@ -147,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiktoken ranks file of a real BPE vocabulary (e.g. Qwen's qwen.tiktoken) for the "
         "grammar; default: a synthetic vocabulary",
     )
+    parser.add_argument(
+        "--mask-threads",
+        default=None,
+        help="threads filling the grammar bitmask (an int, or auto); default: the engine's",
+    )
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     return parser
 
@@ -155,6 +160,11 @@ def main() -> None:
     args = build_parser().parse_args()
     engine = make_engine(args.shape, args)
     use_grammars_over(engine, args.vocab_file)
+    if args.mask_threads is not None:
+        from shoal.engine.structured import GrammarMask
+
+        threads = args.mask_threads if args.mask_threads == "auto" else int(args.mask_threads)
+        engine.runner.sampler._grammar_mask = GrammarMask(threads)
     for batch in (int(b) for b in args.batches.split(",")):
         decode_rate(engine, min(batch, 8), True, args)  # warm-up (kernels, compile cache)
         free = decode_rate(engine, batch, False, args)
@@ -169,6 +179,7 @@ def main() -> None:
             "json_schema": masked,
             "throughput_ratio": masked["tokens_per_s"] / free["tokens_per_s"],
             "async_scheduling": engine.async_scheduling,
+            "mask_threads": args.mask_threads,
             **provenance(),
         }
         line = json.dumps(record)
