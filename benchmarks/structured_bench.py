@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--mask-threads",
         default=None,
-        help="threads filling the grammar bitmask (an int, or auto); default: the engine's",
+        help="threads filling the grammar bitmask at every batch size (an int, or auto); "
+        "default: the engine's choice by batch size",
     )
     parser.add_argument("--out", default=None, help="append the JSON lines to this file")
     return parser
@@ -164,7 +165,7 @@ def main() -> None:
         from shoal.engine.structured import GrammarMask
 
         threads = args.mask_threads if args.mask_threads == "auto" else int(args.mask_threads)
-        engine.runner.sampler._grammar_mask = GrammarMask(threads)
+        engine.runner.sampler._grammar_mask = GrammarMask(threads, threaded_from=1)
     for batch in (int(b) for b in args.batches.split(",")):
         decode_rate(engine, min(batch, 8), True, args)  # warm-up (kernels, compile cache)
         free = decode_rate(engine, batch, False, args)

@@ -248,3 +248,30 @@ def test_async_scheduling_keeps_constrained_steps_in_flight(llama_dir):
     assert len(in_flight) > 10 and all(in_flight[:-2])  # every step but the draining ones
     assert finish == "stop"
     assert violations(json.loads(pipelined.tokenizer.decode(tokens)), SCHEMAS[0]) == []
+
+
+def test_serial_and_threaded_fills_mask_the_same(llm):
+    """The mask fills on one thread for small batches and on xgrammar's threads from
+    THREADED_FROM rows: both give the same masked logits, for matchers in varied states."""
+    from shoal.engine.structured import GrammarMask, RequestGrammar
+
+    compiled = llm.engine._grammar_pool().submit(constrained(SCHEMAS[2]).structured_outputs)
+    vocab = llm.engine.model_config.vocab_size
+    stops = frozenset(llm.engine.eos_token_ids)
+    grammars = [RequestGrammar(compiled.result(), stops) for _ in range(6)]
+    probe = torch.zeros(1, vocab)
+    for i, g in enumerate(grammars):  # walk each a different number of allowed tokens
+        for _ in range(i):
+            row = probe.clone()
+            GrammarMask(1).apply(row, [0], [g])
+            allowed = row[0].isfinite().nonzero().flatten().tolist()
+            g.accept(next(t for t in allowed if t not in stops))
+    logits = torch.randn(len(grammars) + 2, vocab, generator=torch.Generator().manual_seed(3))
+    rows = list(range(1, len(grammars) + 1))
+    serial, threaded = logits.clone(), logits.clone()
+    GrammarMask(2, threaded_from=len(rows) + 1).apply(serial, rows, grammars)
+    GrammarMask(2, threaded_from=1).apply(threaded, rows, grammars)
+    assert torch.equal(serial, threaded)
+    assert torch.equal(serial[[0, -1]], logits[[0, -1]])  # unconstrained rows untouched
+    masked = serial[1:-1].isinf().sum(dim=1)
+    assert bool((masked > 0).all()) and len(set(masked.tolist())) > 1  # varied states
