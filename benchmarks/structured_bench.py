@@ -85,14 +85,14 @@ def use_grammars_over(engine: LLMEngine, vocab_file: str | None) -> None:
 def decode_rate(engine: LLMEngine, batch: int, constrained: bool, args) -> dict:
     """Decode speed of `batch` requests run together: output tokens per second over the steps
     where the whole batch still runs (a constrained request may close its JSON early), the mean
-    step time of those steps, and the totals. Sampling is unseeded at temperature 1, so both
-    sides draw every row in one batched call."""
+    step time of those steps, and the totals. Sampling is unseeded (--temperature, 1 by
+    default), so both sides draw every row in one batched call."""
     rng = np.random.default_rng(batch)
     vocab = engine.model_config.vocab_size
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if constrained else None
     for i in range(batch):
         sp = SamplingParams(
-            temperature=1.0,
+            temperature=args.temperature,
             max_tokens=args.max_tokens,
             ignore_eos=not constrained,
             structured_outputs=so,
@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", default="1,64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="both sides; 0 (greedy) makes every run take the same walk through the grammar",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -181,6 +187,7 @@ def main() -> None:
             "throughput_ratio": masked["tokens_per_s"] / free["tokens_per_s"],
             "async_scheduling": engine.async_scheduling,
             "mask_threads": args.mask_threads,
+            "temperature": args.temperature,
             **provenance(),
         }
         line = json.dumps(record)
