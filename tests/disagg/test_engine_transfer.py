@@ -6,25 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import ARCHITECTURES
+from transfer_helpers import run, tokens
 
 from shoal.disagg.blocks import BlockAssembler, to_chunk
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
-from shoal.protocol import EngineOutput, EngineRequest, KVTransferParams, SamplingParams
+from shoal.protocol import EngineRequest, KVTransferParams, SamplingParams
 
 BLOCK = 16
-
-
-def run(engine: LLMEngine, request: EngineRequest) -> list[EngineOutput]:
-    engine.add_request(request)
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.request_id == request.request_id]
-    return outs
-
-
-def tokens(outs: list[EngineOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def prefill(engine: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams):

@@ -94,7 +94,7 @@ def test_corrupt_or_missing_disk_blocks_are_misses(llama_dir, reference, tmp_pat
     disk = llm.engine.kv.offload.disk
     damaged = []
 
-    def damage(turn: int) -> None:
+    def damage(turn: int, _history: list[int]) -> None:
         _wait_written(disk)
         files = [f for f in map(disk.file, disk.entries) if f.exists()]
         if turn == 0:  # flip a payload byte of every block file: all are corrupt

@@ -26,22 +26,29 @@ def engine(model_dir, num_gpu_blocks: int = SMALL_POOL, **tiers) -> LLM:
     return LLM(str(model_dir), num_gpu_blocks=num_gpu_blocks, block_size=BLOCK, **tiers)
 
 
-def conversation(llm: LLM, turns: int = 4, seed: int = 0, between=None):
+def conversation(
+    llm: LLM,
+    turns: int = 4,
+    seed: int = 0,
+    between=None,
+    turn_tokens: int = TURN_TOKENS,
+    reply: SamplingParams = REPLY,
+):
     """Each turn's greedy reply and the prompt tokens it found cached. A 376-token filler
     runs after each turn (filling a small pool: the conversation is evicted from it);
-    `between(turn)` runs after that."""
+    `between(turn, history)` runs after that."""
     rng = np.random.default_rng(seed)
     history: list[int] = []
     replies, cached = [], []
     for turn in range(turns):
-        history = history + rng.integers(5, 384, TURN_TOKENS).tolist()
-        out = llm.generate([history], REPLY)[0]
+        history = history + rng.integers(5, 384, turn_tokens).tolist()
+        out = llm.generate([history], reply)[0]
         replies.append(out.outputs[0].token_ids)
         cached.append(out.num_cached_tokens)
         history = history + out.outputs[0].token_ids
         llm.generate([rng.integers(5, 384, 376).tolist()], FILLER)
         if between is not None:
-            between(turn)
+            between(turn, history)
     return replies, cached
 
 

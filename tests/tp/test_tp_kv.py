@@ -8,8 +8,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
+from tier_helpers import FILLER, conversation
+from transfer_helpers import run, tokens
 
 from shoal import LLM, SamplingParams
 from shoal.disagg.blocks import BlockAssembler, to_chunk
@@ -22,14 +23,15 @@ from shoal.engine.parallel.executor import Followers
 from shoal.kv_hash import hash_blocks
 from shoal.layers.parallel import TPGroup
 from shoal.models.config import ModelConfig
-from shoal.protocol import EngineOutput, EngineRequest, KVTransferParams
+from shoal.protocol import EngineRequest, KVTransferParams
 
 BLOCK = 16
 # one block of the tiny Llama's KV on one of two ranks (2 layers, K and V, 16 tokens, one of
 # its two KV heads of 16, float32)
 SHARD_BYTES = 2 * 2 * BLOCK * 1 * 16 * 4
 REPLY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-FILLER = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+# three turns of 40 new tokens, each evicted from a 24-block pool by the filler after it
+TURNS = {"turns": 3, "turn_tokens": 40, "reply": REPLY}
 
 
 def gib(blocks: int) -> float:
@@ -37,31 +39,13 @@ def gib(blocks: int) -> float:
     return (blocks + 0.5) * SHARD_BYTES / 2**30
 
 
-def conversation(llm: LLM, between=None) -> tuple[list[list[int]], list[int]]:
-    """Three turns of 40 new tokens each, a 376-token filler after each (it pushes the
-    conversation out of a 24-block pool); each turn's greedy reply and cached tokens.
-    `between(turn, history)` runs after each filler."""
-    rng = np.random.default_rng(0)
-    history: list[int] = []
-    replies, cached = [], []
-    for turn in range(3):
-        history = history + rng.integers(5, 384, 40).tolist()
-        out = llm.generate([history], REPLY)[0]
-        replies.append(out.outputs[0].token_ids)
-        cached.append(out.num_cached_tokens)
-        history = history + out.outputs[0].token_ids
-        llm.generate([rng.integers(5, 384, 376).tolist()], FILLER)
-        if between is not None:
-            between(turn, history)
-    return replies, cached
-
-
 def test_tiers_hold_every_ranks_shard_and_onboard_it(llama_dir, tmp_path):
     """A host tier of 24 blocks over a disk tier: turns come back from both, on both ranks,
     with a single rank's output. A block whose shard rank 1 cannot read (its disk file cut
     short) is a miss on every rank: the prefix is onboarded up to it, the rest recomputed."""
     settings = dict(device="cpu", block_size=BLOCK, num_gpu_blocks=24)
-    replies, big_cached = conversation(LLM(str(llama_dir), **{**settings, "num_gpu_blocks": 256}))
+    big = LLM(str(llama_dir), **{**settings, "num_gpu_blocks": 256})
+    replies, big_cached = conversation(big, **TURNS)
     follower_dir = Path(rank_disk_path(str(tmp_path), 1))
 
     def damage(turn: int, history: list[int]) -> None:
@@ -82,7 +66,7 @@ def test_tiers_hold_every_ranks_shard_and_onboard_it(llama_dir, tmp_path):
         kv_offload_disk_gb=gib(200),
         **settings,
     ) as llm:
-        got, cached = conversation(llm, between=damage)
+        got, cached = conversation(llm, between=damage, **TURNS)
         offload = llm.engine.kv.offload
         host, disk = offload.stats[MEDIUM_CPU], offload.stats[MEDIUM_DISK]
     assert got == replies
@@ -146,18 +130,6 @@ def test_the_rank_with_the_least_room_sets_the_pool(llama_dir):
     assert counts == [2**20 // per_block, 2**18 // per_block]
     assert fewest_kv_blocks(counts, per_block) == 2**18 // per_block
     assert fewest_kv_blocks(counts[::-1], per_block) == 2**18 // per_block
-
-
-def run(engine: LLMEngine, request: EngineRequest) -> list[EngineOutput]:
-    engine.add_request(request)
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.request_id == request.request_id]
-    return outs
-
-
-def tokens(outs: list[EngineOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def prefill(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[int, KVTransferParams]:
