@@ -27,9 +27,6 @@ if TYPE_CHECKING:
     from shoal.engine.scheduler import Scheduler
 
 
-NO_ROOM = "no room"  # _start: the request has tier hits, but its prompt does not fit yet
-
-
 @dataclass(eq=False)
 class Onboarding:
     """A request whose lower-tier blocks are being copied in."""
@@ -53,8 +50,6 @@ def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> N
     for request in islice(scheduler.waiting, room):
         if _eligible(manager, request):
             load = _start(manager, request)
-            if load is NO_ROOM:
-                break  # first come, first onboarded: nobody behind it takes the room it waits for
             if load is not None:
                 started.append(load)
     for load in started:
@@ -98,10 +93,9 @@ def _eligible(manager: OffloadManager, request: Request) -> bool:
     )
 
 
-def _start(manager: OffloadManager, request: Request) -> Onboarding | str | None:
+def _start(manager: OffloadManager, request: Request) -> Onboarding | None:
     """Allocate the request's GPU hits and blocks for its lower-tier hits and start the
-    copy; None when the tiers hold nothing more, NO_ROOM when the pool lacks room for its
-    prompt."""
+    copy; None when the tiers hold nothing more or the pool lacks room for its prompt."""
     kv = manager.kv
     size = kv.block_size
     hashes = request.update_block_hashes(size)
@@ -113,7 +107,7 @@ def _start(manager: OffloadManager, request: Request) -> Onboarding | str | None
     hits = [kv.pool.lookup(h) for h in hashes[:gpu]]
     reclaimable = sum(1 for b in hits if b.ref_cnt == 0)
     if kv.blocks_needed(request.num_tokens) - gpu > kv.pool.num_free - reclaimable:
-        return NO_ROOM
+        return None
     sources, entries = manager.read(hashes[gpu : gpu + len(media)], media)
     if not sources:
         return None
