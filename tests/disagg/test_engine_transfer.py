@@ -6,54 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import ARCHITECTURES
-from transfer_helpers import run, tokens
+from transfer_helpers import decode, prefill, run, tokens, transfer
 
-from shoal.disagg.blocks import BlockAssembler, to_chunk
 from shoal.engine.config import EngineConfig
 from shoal.engine.llm_engine import LLMEngine
-from shoal.protocol import EngineRequest, KVTransferParams, SamplingParams
+from shoal.protocol import EngineRequest, SamplingParams
 
 BLOCK = 16
-
-
-def prefill(engine: LLMEngine, rid: str, prompt: list[int], sp: SamplingParams):
-    first = SamplingParams(**{**_fields(sp), "max_tokens": 1, "min_tokens": min(sp.min_tokens, 1)})
-    outs = run(
-        engine,
-        EngineRequest(
-            request_id=rid,
-            prompt_token_ids=prompt,
-            sampling=first,
-            kv_transfer=KVTransferParams(do_remote_decode=True),
-        ),
-    )
-    assert outs[-1].finish_reason == "length"
-    return tokens(outs)[0], outs[-1].kv_transfer
-
-
-def _fields(sp: SamplingParams) -> dict:
-    return {f: getattr(sp, f) for f in sp.__struct_fields__}
-
-
-def decode(engine: LLMEngine, rid, prompt, first_token, sp, params, first_block, data):
-    engine.stage_kv(rid, first_block, data)
-    rest = SamplingParams(**{**_fields(sp), "max_tokens": sp.max_tokens - 1})
-    request = EngineRequest(
-        request_id=rid,
-        prompt_token_ids=[*prompt, first_token],
-        sampling=rest,
-        num_output_tokens_before=1,
-        kv_transfer=params,
-    )
-    return [first_token, *tokens(run(engine, request))]
-
-
-def transfer(src: LLMEngine, params: KVTransferParams, first: int, per_chunk: int) -> torch.Tensor:
-    joined = BlockAssembler(params.layout, first, len(params.block_ids) - first)
-    for start in range(first, len(params.block_ids), per_chunk):
-        n = min(per_chunk, len(params.block_ids) - start)
-        joined.add(to_chunk(start, src.read_kv_blocks(params.request_id, start, n)))
-    return joined.tensor()
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +95,9 @@ def test_every_architecture(model_dirs, arch):
     prefill_engine, decode_engine = make(), make()
     for seed in (None, 11):
         prompt = [(i * 17 + 1) % 370 + 3 for i in range(50)]
-        sp = SamplingParams(temperature=0.0 if seed is None else 0.7, seed=seed, max_tokens=8)
-        sp = SamplingParams(**{**_fields(sp), "ignore_eos": True})
+        sp = SamplingParams(
+            temperature=0.0 if seed is None else 0.7, seed=seed, max_tokens=8, ignore_eos=True
+        )
         ref = EngineRequest(request_id=f"ref{seed}", prompt_token_ids=prompt, sampling=sp)
         want = tokens(run(prefill_engine, ref))
         first, params = prefill(prefill_engine, f"p{seed}", prompt, sp)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import torch
 from tier_helpers import FILLER, conversation
-from transfer_helpers import run, tokens
+from transfer_helpers import decode, prefill, run, tokens, transfer
 
 from shoal import LLM, SamplingParams
-from shoal.disagg.blocks import BlockAssembler, to_chunk
 from shoal.engine.config import EngineConfig
 from shoal.engine.kv_offload import MEDIUM_CPU, MEDIUM_DISK
 from shoal.engine.kv_offload.shard import rank_disk_path
@@ -23,7 +22,7 @@ from shoal.engine.parallel.executor import Followers
 from shoal.kv_hash import hash_blocks
 from shoal.layers.parallel import TPGroup
 from shoal.models.config import ModelConfig
-from shoal.protocol import EngineRequest, KVTransferParams
+from shoal.protocol import EngineRequest
 
 BLOCK = 16
 # one block of the tiny Llama's KV on one of two ranks (2 layers, K and V, 16 tokens, one of
@@ -89,16 +88,12 @@ def test_kv_transfer_moves_every_ranks_shard(llama_dir):
         prompt = [(i * 37) % 370 + 3 for i in range(40)]
         reference = EngineRequest(request_id="ref", prompt_token_ids=prompt, sampling=REPLY)
         expected = tokens(run(single, reference))
-        first, params = prefill(pair, "a", prompt)
-        count = len(params.block_ids)
-        frames = BlockAssembler(params.layout, 0, count)
-        for start in range(count):
-            frames.add(to_chunk(start, pair.read_kv_blocks("a", start, 1)))
-        data = frames.tensor()
+        first, params = prefill(pair, "a", prompt, REPLY)
+        data = transfer(pair, params, 0, per_chunk=1)  # the host backend's frames, a block each
         assert params.layout.num_kv_heads == data.shape[4] == 2  # both ranks' heads
-        _, own = prefill(single, "b", prompt)
+        _, own = prefill(single, "b", prompt, REPLY)
         torch.testing.assert_close(data, single.read_kv_blocks("b", 0, len(own.block_ids)))
-        assert decode(single, "a", prompt, first, params, data) == expected
+        assert decode(single, "a", prompt, first, REPLY, params, 0, data) == expected
         pair.release_kv("a")
         assert pair.reset_prefix_cache()
         run(
@@ -106,7 +101,7 @@ def test_kv_transfer_moves_every_ranks_shard(llama_dir):
             EngineRequest(request_id="c", prompt_token_ids=prompt[: BLOCK + 1], sampling=FILLER),
         )
         assert pair.num_cached_prefix_blocks(prompt) == 1
-        assert decode(pair, "a2", prompt, first, params, data[:, :, 1:], first_block=1) == expected
+        assert decode(pair, "a2", prompt, first, REPLY, params, 1, data[:, :, 1:]) == expected
         assert pair.num_kv_injected == 1 and pair.num_kv_inject_fallbacks == 0
     finally:
         pair.shutdown()
@@ -130,29 +125,3 @@ def test_the_rank_with_the_least_room_sets_the_pool(llama_dir):
     assert counts == [2**20 // per_block, 2**18 // per_block]
     assert fewest_kv_blocks(counts, per_block) == 2**18 // per_block
     assert fewest_kv_blocks(counts[::-1], per_block) == 2**18 // per_block
-
-
-def prefill(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[int, KVTransferParams]:
-    """The first token of a prefill kept for a remote decode, and its pinned blocks."""
-    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    remote = KVTransferParams(do_remote_decode=True)
-    request = EngineRequest(
-        request_id=rid, prompt_token_ids=prompt, sampling=first, kv_transfer=remote
-    )
-    outs = run(engine, request)
-    return tokens(outs)[0], outs[-1].kv_transfer
-
-
-def decode(engine, rid, prompt, first, params, data, first_block: int = 0) -> list[int]:
-    """The rest of REPLY's tokens from transferred KV (blocks first_block..), after the
-    prefill's first."""
-    engine.stage_kv(rid, first_block, data)
-    rest = SamplingParams(temperature=0.0, max_tokens=REPLY.max_tokens - 1, ignore_eos=True)
-    request = EngineRequest(
-        request_id=rid,
-        prompt_token_ids=[*prompt, first],
-        sampling=rest,
-        num_output_tokens_before=1,
-        kv_transfer=params,
-    )
-    return [first, *tokens(run(engine, request))]
