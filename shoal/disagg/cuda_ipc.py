@@ -15,12 +15,10 @@ import torch
 
 from shoal.disagg.blocks import torch_dtype
 from shoal.disagg.gather import gather_blocks
-from shoal.disagg.transport import HostTransport, KVTransport, host_id
+from shoal.disagg.transport import HostTransport, KVTransport, ask_kv_agent, host_id
 from shoal.protocol import (
-    KV_AGENT_ENDPOINT,
     CudaIpcHandle,
     KVAgentInfo,
-    KVAgentRequest,
     KVLayout,
     KVTransferParams,
 )
@@ -139,14 +137,9 @@ class CudaIpcTransport:
         """The prefill worker's caches mapped here (None: it runs on another host)."""
         if params.worker_id in self._peers:
             return self._peers[params.worker_id]
-        stream = self.host.requests.stream(
-            params.address, KV_AGENT_ENDPOINT, KVAgentRequest(backend=self.name), KVAgentInfo
+        info = await ask_kv_agent(
+            self.host.requests, params, self.name, "shares no CUDA IPC handles"
         )
-        async with stream:
-            infos = [info async for info in stream]
-        if len(infos) != 1 or infos[0].backend != self.name:
-            raise ValueError(f"worker {params.worker_id} shares no CUDA IPC handles")
-        info = infos[0]
         if len(info.ipc_handles) != lay.num_layers:
             raise ValueError(f"{len(info.ipc_handles)} handles for {lay.num_layers} layers")
         caches = None

@@ -25,8 +25,8 @@ import torch
 
 from shoal.disagg.blocks import torch_dtype
 from shoal.disagg.regions import read_descriptors
-from shoal.disagg.transport import host_id
-from shoal.protocol import KV_AGENT_ENDPOINT, KVAgentInfo, KVAgentRequest, KVTransferParams
+from shoal.disagg.transport import ask_kv_agent, host_id
+from shoal.protocol import KVAgentInfo, KVTransferParams
 from shoal.runtime.request_client import RequestClient
 
 log = logging.getLogger(__name__)
@@ -202,14 +202,7 @@ class NixlTransport:
         peer = self._peers.get(params.worker_id)
         if peer is not None:
             return peer
-        stream = self.requests.stream(
-            params.address, KV_AGENT_ENDPOINT, KVAgentRequest(backend=self.name), KVAgentInfo
-        )
-        async with stream:
-            infos = [info async for info in stream]
-        if len(infos) != 1 or infos[0].backend != self.name:
-            raise ValueError(f"worker {params.worker_id} describes no NIXL agent")
-        info = infos[0]
+        info = await ask_kv_agent(self.requests, params, self.name, "describes no NIXL agent")
         await self.agent.call(lambda a: a.add_remote_agent(info.agent_metadata))
         self._peers[params.worker_id] = info
         return info

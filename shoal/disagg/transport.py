@@ -18,7 +18,15 @@ from typing import Protocol
 import torch
 
 from shoal.disagg.blocks import BlockAssembler
-from shoal.protocol import KV_BLOCKS_ENDPOINT, KVBlocksChunk, KVBlocksRequest, KVTransferParams
+from shoal.protocol import (
+    KV_AGENT_ENDPOINT,
+    KV_BLOCKS_ENDPOINT,
+    KVAgentInfo,
+    KVAgentRequest,
+    KVBlocksChunk,
+    KVBlocksRequest,
+    KVTransferParams,
+)
 from shoal.runtime.request_client import RequestClient
 
 BACKENDS = ("auto", "host", "nixl", "cuda_ipc")
@@ -29,6 +37,21 @@ def host_id() -> str:
     """This machine's identity for same-host checks: the kernel's boot id."""
     path = Path("/proc/sys/kernel/random/boot_id")
     return path.read_text().strip() if path.is_file() else ""
+
+
+async def ask_kv_agent(
+    requests: RequestClient, params: KVTransferParams, backend: str, lacking: str
+) -> KVAgentInfo:
+    """What the prefill worker of `params` shares for `backend` (its kv_agent endpoint);
+    raises ValueError, saying the worker `lacking`, when it answers for no such backend."""
+    stream = requests.stream(
+        params.address, KV_AGENT_ENDPOINT, KVAgentRequest(backend=backend), KVAgentInfo
+    )
+    async with stream:
+        infos = [info async for info in stream]
+    if len(infos) != 1 or infos[0].backend != backend:
+        raise ValueError(f"worker {params.worker_id} {lacking}")
+    return infos[0]
 
 
 class KVTransport(Protocol):
