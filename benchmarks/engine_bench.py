@@ -69,13 +69,18 @@ SHAPES = {
 RESULTS = Path(__file__).parent / "results" / "engine.jsonl"
 
 
-def make_engine(shape: str, args: argparse.Namespace) -> LLMEngine:
+def model_folder(shape: str, dtype: str) -> Path:
+    """A temporary model folder holding only the shape's config.json (load_format=dummy)."""
     folder = Path(tempfile.mkdtemp(prefix=f"shoal-{shape}-"))
-    config = {**SHAPES[shape], "torch_dtype": args.dtype, "eos_token_id": 0}
+    config = {**SHAPES[shape], "torch_dtype": dtype, "eos_token_id": 0}
     (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def make_engine(shape: str, args: argparse.Namespace) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=str(folder),
+            model=str(model_folder(shape, args.dtype)),
             load_format="dummy",
             dtype=args.dtype,
             device=args.device,

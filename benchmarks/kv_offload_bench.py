@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections import deque
 from datetime import UTC, datetime
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_bench import SHAPES
+from engine_bench import SHAPES, model_folder
 from provenance import provenance
 
 from shoal.engine.config import EngineConfig
@@ -49,12 +48,9 @@ BLOCK = 16
 
 
 def make_engine(args: argparse.Namespace, num_blocks: int, cpu_gb: float | None) -> LLMEngine:
-    folder = Path(tempfile.mkdtemp(prefix=f"shoal-{args.shape}-"))
-    config = {**SHAPES[args.shape], "torch_dtype": args.dtype, "eos_token_id": 0}
-    (folder / "config.json").write_text(json.dumps(config))
     return LLMEngine(
         EngineConfig(
-            model=str(folder),
+            model=str(model_folder(args.shape, args.dtype)),
             load_format="dummy",
             dtype=args.dtype,
             device=args.device,
