@@ -138,24 +138,15 @@ def test_capacity_lru_and_move_down_per_tier(llama_dir, tmp_path):
     assert list(offload.host.entries) == hashes["D"] + hashes["E"]
     assert list(offload.disk.entries) == hashes["C"]
     events = llm.engine.take_kv_events()
-    stored = {
-        m: [
-            h
-            for e in events
-            if isinstance(e, BlockStored) and e.medium == m
-            for h in e.block_hashes
-        ]
-        for m in (MEDIUM_CPU, MEDIUM_DISK)
-    }
-    removed = {
-        m: [
-            h
-            for e in events
-            if isinstance(e, BlockRemoved) and e.medium == m
-            for h in e.block_hashes
-        ]
-        for m in (MEDIUM_CPU, MEDIUM_DISK)
-    }
+
+    def by_medium(kind: type) -> dict[str, list[int]]:
+        """The block hashes of the events of `kind`, in order, per lower tier."""
+        return {
+            m: [h for e in events if isinstance(e, kind) and e.medium == m for h in e.block_hashes]
+            for m in (MEDIUM_CPU, MEDIUM_DISK)
+        }
+
+    stored, removed = by_medium(BlockStored), by_medium(BlockRemoved)
     assert stored[MEDIUM_CPU] == [h for n in "ABCDE" for h in hashes[n]]
     assert removed[MEDIUM_CPU] == [h for n in "ABC" for h in hashes[n]]
     assert stored[MEDIUM_DISK] == [h for n in "ABC" for h in hashes[n]]
