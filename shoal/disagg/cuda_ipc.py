@@ -1,8 +1,8 @@
 """The CUDA IPC backend: two workers on one host. The prefill worker shares each layer's
 KV cache as a CUDA IPC handle (the fields of torch's `_share_cuda_`, as a protocol type);
 the decode worker opens them once and copies the blocks it lacks device to device (one
-memcpy per run of consecutive block ids per layer, on a stream of its own, with one wait at
-the end: shoal.disagg.gather), then tells the prefill worker over the request plane to unpin.
+gather per layer, on a stream of its own, with one wait at the end: shoal.disagg.gather),
+then tells the prefill worker over the request plane to unpin.
 
 A prefill worker on another host (its boot id differs) is read with the next backend.
 """
