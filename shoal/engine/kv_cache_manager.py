@@ -76,7 +76,7 @@ class KVCacheManager:
     ) -> bool:
         """Give the request blocks for num_new_tokens more tokens; False if the pool is short."""
         rid = request.request_id
-        blocks = self.req_blocks.setdefault(rid, [])
+        blocks = self.req_blocks.get(rid, [])
         if not computed:
             if request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
                 return True  # the tokens fit in the blocks it holds (most decode steps)
@@ -93,6 +93,7 @@ class KVCacheManager:
         if needed > 0:
             new = new + self.pool.allocate(needed)
         blocks.extend(new)
+        self.req_blocks[rid] = blocks  # entered only once it holds blocks: a miss leaves none
         row = self.rows.get(rid)
         if row is None:
             row = self.rows[rid] = self.block_table.add_row()

@@ -76,6 +76,7 @@ class Request:
             self.generator = torch.Generator().manual_seed(seed)
             self.draws_to_skip = 0 if sampling.greedy else num_output_tokens_before
         self.status = RequestStatus.WAITING
+        self.arrival = 0  # its place in the order requests reached the scheduler
         self.num_computed_tokens = 0
         # tokens sampled by a step still running on the device (async scheduling): counted
         # as computed and scheduled for, their values not known yet (0 or 1)

@@ -44,8 +44,20 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_arrivals = 0
 
     def add(self, request: Request) -> None:
+        request.arrival = self.num_arrivals
+        self.num_arrivals += 1
+        self.waiting.append(request)
+
+    def requeue(self, request: Request) -> None:
+        """Put a request back among the waiting in arrival order, ahead of those that
+        reached the scheduler after it."""
+        for i, other in enumerate(self.waiting):
+            if other.arrival > request.arrival:
+                self.waiting.insert(i, request)
+                return
         self.waiting.append(request)
 
     @property
@@ -82,7 +94,7 @@ class Scheduler:
         blocked: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if self._waits_for_leader(request):
+            if self.waits_for_leader(request):
                 blocked.append(self.waiting.popleft())
                 continue
             computed, num_cached = [], 0
@@ -104,7 +116,7 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(blocked))
 
-    def _waits_for_leader(self, request: Request) -> bool:
+    def waits_for_leader(self, request: Request) -> bool:
         """A parallel sample waits until its leader's prompt is in the prefix cache."""
         leader = request.leader
         if leader is None or leader.is_finished:

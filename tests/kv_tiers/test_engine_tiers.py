@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 from tier_helpers import (
     BLOCK,
     FILLER,
+    REPLY,
     TURN_TOKENS,
     assert_tiers_settled,
     conversation,
@@ -18,7 +20,7 @@ from tier_helpers import (
 
 from shoal.engine.kv_offload import MEDIUM_CPU, MEDIUM_DISK
 from shoal.kv_hash import hash_blocks
-from shoal.protocol import BlockRemoved, BlockStored
+from shoal.protocol import BlockRemoved, BlockStored, EngineRequest, SamplingParams
 from shoal.worker.metrics import WorkerMetrics
 
 
@@ -157,4 +159,41 @@ def test_capacity_lru_and_move_down_per_tier(llama_dir, tmp_path):
     llm.generate([[99] * (2 * BLOCK + 1)], FILLER)
     assert list(offload.host.entries)[:2] == hashes["D"]
     assert list(offload.disk.entries) == hashes["E"]
+    assert_tiers_settled(llm)
+
+
+def test_onboarding_is_first_come_first_served_under_pool_pressure(llama_dir):
+    """A turn whose prompt does not fit in what a running request leaves of the pool is not
+    overtaken: a smaller turn behind it, also in the host tier, is not onboarded into the
+    room it waits for, and once the pool frees the first turn runs first."""
+    llm = engine(llama_dir, kv_offload_cpu_gb=gib(200))
+    eng = llm.engine
+    rng = np.random.default_rng(0)
+    first, second = rng.integers(5, 384, 160).tolist(), rng.integers(5, 384, 64).tolist()
+    llm.generate([first, second], FILLER)
+    llm.generate([rng.integers(5, 384, 376).tolist()], FILLER)  # both leave the GPU pool
+    hog = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    eng.add_request(
+        EngineRequest(
+            request_id="hog", prompt_token_ids=rng.integers(5, 384, 224).tolist(), sampling=hog
+        )
+    )
+    eng.step()
+    # the hog holds 15 of 24 blocks; the first turn needs 11, the second 5
+    turns = {"first": first + [7] * BLOCK, "second": second + [7] * BLOCK}
+    for rid, prompt in turns.items():
+        eng.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=REPLY))
+    first_token: dict[str, int] = {}
+    hog_running, step = True, 0
+    while eng.has_unfinished_requests():
+        if hog_running:  # the first turn waits for room, so nobody behind it takes any
+            assert "second" not in eng.kv.req_blocks
+        step += 1
+        for out in eng.step():
+            if out.new_token_ids:
+                first_token.setdefault(out.request_id, step)
+            hog_running &= not (out.finished and out.request_id == "hog")
+    assert first_token["first"] <= first_token["second"]
+    # both histories come from the host tier, the first too though it once failed to fit
+    assert eng.kv.offload.stats[MEDIUM_CPU].hits == (160 + 64) // BLOCK
     assert_tiers_settled(llm)

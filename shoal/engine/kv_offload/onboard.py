@@ -2,13 +2,14 @@
 lower tiers; the blocks found there are copied into freshly allocated GPU blocks before it
 is scheduled, and it prefills only the rest.
 
-Each step, before scheduling, the requests next in line (as many as could join the batch)
-are looked up. One with lower-tier hits takes its GPU hits and new blocks for the tier
-hits, leaves the waiting queue while the copy runs (the request waits, the batch does
-not), and returns to the head of the queue with those tokens computed and entered into
-the prefix cache. With CUDA the copy runs on a side stream and is polled; on the CPU it
-is a memory copy (a disk read first for blocks on disk) in the engine thread, done at
-once, so the request is back in the queue in the same step.
+Each step, before scheduling, the requests next in line (as many as could join the batch,
+in order, while their prompts fit in the pool) are looked up. One with lower-tier hits
+takes its GPU hits and new blocks for the tier hits, leaves the waiting queue while the
+copy runs (the request waits, the batch does not), and returns to its place in the queue
+(arrival order) with those tokens computed and entered into the prefix cache. With CUDA
+the copy runs on a side stream and is polled; on the CPU it is a memory copy (a disk read
+first for blocks on disk) in the engine thread, done at once, so the request is back in
+the queue in the same step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from shoal.engine.kv_offload.host import HostEntry
 from shoal.engine.kv_offload.stats import MEDIUM_CPU
 
 if TYPE_CHECKING:
+    from shoal.engine.block_pool import KVBlock
     from shoal.engine.kv_offload.manager import OffloadManager
     from shoal.engine.request import Request
     from shoal.engine.scheduler import Scheduler
@@ -39,17 +41,33 @@ class Onboarding:
 
 
 def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> None:
-    """Finish the onboardings that are done, then start those of the requests next in line."""
+    """Finish the onboardings that are done, then start those of the requests next in line.
+
+    First come, first served: the waiting requests are walked in order, each reserving the
+    blocks its whole prompt still needs, and the walk stops at the first that does not fit
+    in what is left, so nobody behind it takes the room it waits for.
+    """
     if manager.loads and not scheduler.num_unfinished:
         manager.loads[0].job.wait()  # nothing else to run: no point spinning
     finish(manager, scheduler)
     room = max_num_seqs - len(scheduler.running) - len(manager.loads)
     if room <= 0 or not scheduler.waiting:
         return
+    kv = manager.kv
+    free = kv.pool.num_free
     started = []
     for request in islice(scheduler.waiting, room):
-        if _eligible(manager, request):
-            load = _start(manager, request)
+        if scheduler.waits_for_leader(request):
+            continue  # it shares its leader's prompt blocks
+        hits = _gpu_hits(manager, request)
+        held = len(kv.req_blocks.get(request.request_id, ()))
+        reclaimable = sum(1 for b in hits if b.ref_cnt == 0)
+        need = kv.blocks_needed(request.num_tokens) - held - len(hits) + reclaimable
+        if need > free:
+            break
+        free -= need
+        if held == 0 and _eligible(manager, request):
+            load = _start(manager, request, hits)
             if load is not None:
                 started.append(load)
     for load in started:
@@ -59,7 +77,7 @@ def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> N
 
 
 def finish(manager: OffloadManager, scheduler: Scheduler) -> None:
-    """Requeue (at the head, in order) the requests whose blocks have arrived."""
+    """Requeue, in arrival order, the requests whose blocks have arrived."""
     ready = [load.job.done() for load in manager.loads]
     if not any(ready):
         return
@@ -67,7 +85,7 @@ def finish(manager: OffloadManager, scheduler: Scheduler) -> None:
     manager.loads = [load for load, r in zip(manager.loads, ready, strict=True) if not r]
     kv = manager.kv
     stats = manager.stats[MEDIUM_CPU]
-    for load in reversed(done):
+    for load in done:
         for entry in load.entries:
             entry.pins -= 1
         stats.read_seconds += load.job.seconds
@@ -79,7 +97,24 @@ def finish(manager: OffloadManager, scheduler: Scheduler) -> None:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = load.num_tokens
         kv.cache_blocks(request)
-        scheduler.waiting.appendleft(request)
+        scheduler.requeue(request)
+
+
+def _gpu_hits(manager: OffloadManager, request: Request) -> list[KVBlock]:
+    """The leading blocks of a request yet to start that the GPU prefix cache holds."""
+    kv = manager.kv
+    if request.num_computed_tokens or not kv.enable_caching or request.wants_prompt_logprobs:
+        return []
+    size = kv.block_size
+    hashes = request.update_block_hashes(size)
+    limit = (request.num_tokens - 1) // size  # a token is left to compute, for logits
+    hits = []
+    for h in hashes[:limit]:
+        block = kv.pool.lookup(h)
+        if block is None:
+            break
+        hits.append(block)
+    return hits
 
 
 def _eligible(manager: OffloadManager, request: Request) -> bool:
@@ -93,20 +128,16 @@ def _eligible(manager: OffloadManager, request: Request) -> bool:
     )
 
 
-def _start(manager: OffloadManager, request: Request) -> Onboarding | None:
-    """Allocate the request's GPU hits and blocks for its lower-tier hits and start the
-    copy; None when the tiers hold nothing more or the pool lacks room for its prompt."""
+def _start(manager: OffloadManager, request: Request, hits: list[KVBlock]) -> Onboarding | None:
+    """Take the request's GPU hits and blocks for its lower-tier hits, and start the copy;
+    None when the tiers hold nothing more of its prefix."""
     kv = manager.kv
     size = kv.block_size
-    hashes = request.update_block_hashes(size)
-    limit = (request.num_tokens - 1) // size  # a token is left to compute, for logits
-    gpu = kv.num_cached_prefix_blocks(hashes[:limit])
+    hashes = request.block_hashes
+    limit = (request.num_tokens - 1) // size
+    gpu = len(hits)
     media = manager.find(hashes[gpu:limit])
     if not media:
-        return None
-    hits = [kv.pool.lookup(h) for h in hashes[:gpu]]
-    reclaimable = sum(1 for b in hits if b.ref_cnt == 0)
-    if kv.blocks_needed(request.num_tokens) - gpu > kv.pool.num_free - reclaimable:
         return None
     sources, entries = manager.read(hashes[gpu : gpu + len(media)], media)
     if not sources:
