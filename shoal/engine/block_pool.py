@@ -8,11 +8,12 @@ from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "next", "prev", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "freed_at", "next", "prev", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.freed_at = -1  # BlockPool.launches when its last reference went
         self.block_hash: int | None = None  # set while the block is in the prefix cache
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
@@ -72,6 +73,9 @@ class BlockPool:
         self.block_size = block_size
         self.events: list[KVEvent] = []
         self.event_time = time.time()
+        # steps launched so far: a block freed since the last launch may still be read or
+        # written by that step on the device
+        self.launches = 0
 
     @property
     def num_free(self) -> int:
@@ -113,7 +117,13 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                block.freed_at = self.launches
                 self.free_queue.append(block)
+
+    def settled(self, blocks: list[KVBlock]) -> bool:
+        """Whether no step in flight can touch these blocks (each was freed before the
+        latest launch, so that step was scheduled without them)."""
+        return all(b.freed_at < self.launches for b in blocks)
 
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash)

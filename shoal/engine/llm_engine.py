@@ -472,6 +472,7 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput) -> _Step:
         """Start the batch on the runner and advance its sequences past the scheduled tokens."""
         step = _Step(sched, [r.num_computed_tokens for r in sched.requests])
+        self.kv.pool.launches += 1
         try:
             step.handle = self.runner.launch(sched)
         except RuntimeError as e:

@@ -128,3 +128,22 @@ def test_block_table_rows_follow_allocation_and_free():
         assert kv.block_table.lengths[row] == len(ids)
     kv.free(a)
     assert not kv.block_table.table[rows[0]].any() and "a" not in kv.rows
+
+
+def test_blocks_freed_since_the_last_launch_are_not_settled():
+    pool = BlockPool(4, enable_caching=True, block_size=4)
+    early, late = pool.allocate(1), pool.allocate(1)
+    pool.free(early)
+    pool.launches += 1  # a step launched: `late` may be in it, `early` cannot be
+    pool.free(late)
+    assert pool.settled(early) and not pool.settled(late)
+    assert not pool.settled(early + late)
+    pool.launches += 1
+    assert pool.settled(early + late)
+
+
+def test_a_failed_allocation_leaves_the_request_holding_nothing():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    req = make_request("a", list(range(12)))
+    assert not kv.allocate_slots(req, 12)
+    assert "a" not in kv.req_blocks and "a" not in kv.rows

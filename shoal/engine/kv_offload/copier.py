@@ -30,6 +30,11 @@ class Job:
         if self._end is not None:
             self._end.synchronize()
 
+    def order_before(self, stream: torch.cuda.Stream | None) -> None:
+        """Have the work queued on `stream` from now on wait for these copies."""
+        if self._end is not None and stream is not None:
+            stream.wait_event(self._end)
+
     @property
     def seconds(self) -> float:
         """Time the copies took (on the device's clock with CUDA); call once done."""
@@ -51,6 +56,11 @@ class BlockCopier:
         self.device = kv_caches[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.in_order = in_order and self.stream is not None
+
+    def order_before_steps(self, job: Job) -> None:
+        """Have the steps launched from now on wait for this job's copies."""
+        if self.stream is not None:
+            job.order_before(torch.cuda.current_stream(self.device))
 
     def synchronize(self) -> None:
         """Wait for every copy started so far."""
@@ -93,12 +103,15 @@ class BlockCopier:
             return self._finish(started, begin, end)
 
     @torch.inference_mode()
-    def load(self, sources: list[torch.Tensor], block_ids: list[int]) -> Job:
+    def load(
+        self, sources: list[torch.Tensor], block_ids: list[int], after_queued: bool = True
+    ) -> Job:
         """Copy host blocks (one tensor each) into these device blocks. With CUDA the copy
-        starts after the work queued so far (a step in flight may still write a block
-        that was just freed); run nothing on the blocks before the Job is done."""
+        starts after the work queued so far when after_queued (a step in flight may still
+        write a block that was just freed), else at once; run nothing on the blocks before
+        the Job is done or ordered before the work that uses them."""
         started = time.perf_counter()
-        if self.stream is not None:
+        if self.stream is not None and (after_queued or self.in_order):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             begin, end = self._events()

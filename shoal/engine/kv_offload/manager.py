@@ -258,19 +258,21 @@ class OffloadManager:
         sources: list[torch.Tensor],
         entries: list[HostEntry],
         block_ids: list[int],
+        after_queued: bool = True,
     ) -> Job:
-        """Copy blocks that read() returned (sources, entries) into these GPU blocks."""
+        """Copy blocks that read() returned (sources, entries) into these GPU blocks (after
+        the work queued on the device, unless no step in flight can touch them)."""
         if self.mirror is not None:
             slots = {e.meta.block_hash: e.slot for e in entries}
             disk = [h for h in block_hashes if h not in slots]
             self._mirror(LoadOp(block_ids, [slots.get(h, -1) for h in block_hashes], disk))
-        return self.copier.load(sources, block_ids)
+        return self.copier.load(sources, block_ids, after_queued)
 
     def cancel(self, request: Request) -> bool:
         """Abort a request whose blocks are being onboarded (its blocks are freed once the
-        copy is done); False if it is not onboarding."""
+        copy is done); False if it is not onboarding (or is queued again already)."""
         for load in self.loads:
-            if load.request is request:
+            if load.request is request and not load.released:
                 load.cancelled = True
                 return True
         return False

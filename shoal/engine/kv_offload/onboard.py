@@ -38,6 +38,7 @@ class Onboarding:
     num_tokens: int  # its tokens computed once the copy is done
     entries: list[HostEntry] = field(default_factory=list)  # host slots the copy reads
     cancelled: bool = False
+    released: bool = False  # queued again before the copy is done (the steps wait for it)
 
 
 def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> None:
@@ -50,12 +51,13 @@ def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> N
     if manager.loads and not scheduler.num_unfinished:
         manager.loads[0].job.wait()  # nothing else to run: no point spinning
     finish(manager, scheduler)
-    room = max_num_seqs - len(scheduler.running) - len(manager.loads)
+    copying = sum(1 for load in manager.loads if not load.released)
+    room = max_num_seqs - len(scheduler.running) - copying
     if room <= 0 or not scheduler.waiting:
         return
     kv = manager.kv
     free = kv.pool.num_free
-    started = []
+    started: list[tuple[Onboarding, bool]] = []
     for request in islice(scheduler.waiting, room):
         if scheduler.waits_for_leader(request):
             continue  # it shares its leader's prompt blocks
@@ -67,12 +69,12 @@ def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> N
             break
         free -= need
         if held == 0 and _eligible(manager, request):
-            load = _start(manager, request, hits)
-            if load is not None:
-                started.append(load)
-    for load in started:
+            started += _start(manager, request, hits)
+    for load, settled in started:
         scheduler.waiting.remove(load.request)
-    manager.loads += started
+        if settled:
+            _release(manager, scheduler, load)
+        manager.loads.append(load)
     finish(manager, scheduler)
 
 
@@ -83,21 +85,28 @@ def finish(manager: OffloadManager, scheduler: Scheduler) -> None:
         return
     done = [load for load, r in zip(manager.loads, ready, strict=True) if r]
     manager.loads = [load for load, r in zip(manager.loads, ready, strict=True) if not r]
-    kv = manager.kv
     stats = manager.stats[MEDIUM_CPU]
     for load in done:
         for entry in load.entries:
             entry.pins -= 1
         stats.read_seconds += load.job.seconds
-        request = load.request
         if load.cancelled:
-            kv.free(request)
-            continue
-        request.num_computed_tokens = load.num_tokens
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = load.num_tokens
-        kv.cache_blocks(request)
-        scheduler.requeue(request)
+            manager.kv.free(load.request)
+        elif not load.released:
+            _release(manager, scheduler, load)
+
+
+def _release(manager: OffloadManager, scheduler: Scheduler, load: Onboarding) -> None:
+    """Requeue, in arrival order, a request with its onboarded tokens computed and cached.
+    Before its copy is done, the steps launched from now on wait for the copy."""
+    request = load.request
+    request.num_computed_tokens = load.num_tokens
+    if request.num_cached_tokens < 0:
+        request.num_cached_tokens = load.num_tokens
+    manager.kv.cache_blocks(request)
+    manager.copier.order_before_steps(load.job)
+    load.released = True
+    scheduler.requeue(request)
 
 
 def _gpu_hits(manager: OffloadManager, request: Request) -> list[KVBlock]:
@@ -128,9 +137,13 @@ def _eligible(manager: OffloadManager, request: Request) -> bool:
     )
 
 
-def _start(manager: OffloadManager, request: Request, hits: list[KVBlock]) -> Onboarding | None:
-    """Take the request's GPU hits and blocks for its lower-tier hits, and start the copy;
-    None when the tiers hold nothing more of its prefix."""
+def _start(
+    manager: OffloadManager, request: Request, hits: list[KVBlock]
+) -> list[tuple[Onboarding, bool]]:
+    """Take the request's GPU hits and blocks for its lower-tier hits, and start the copy:
+    the onboarding, and whether no step in flight can touch its blocks (the copy started
+    at once, and the request can run in the next step, which waits for the copy); none
+    when the tiers hold nothing more of its prefix."""
     kv = manager.kv
     size = kv.block_size
     hashes = request.block_hashes
@@ -138,16 +151,18 @@ def _start(manager: OffloadManager, request: Request, hits: list[KVBlock]) -> On
     gpu = len(hits)
     media = manager.find(hashes[gpu:limit])
     if not media:
-        return None
+        return []
     sources, entries = manager.read(hashes[gpu : gpu + len(media)], media)
     if not sources:
-        return None
+        return []
     kv.stats.queries += request.num_tokens
     kv.stats.hits += gpu * size
     if hits:
         kv.allocate_slots(request, 0, hits)
     request.num_computed_tokens = gpu * size
     kv.allocate_slots(request, len(sources) * size)
-    block_ids = kv.block_ids(request)[gpu : gpu + len(sources)]
-    job = manager.load(hashes[gpu : gpu + len(sources)], sources, entries, block_ids)
-    return Onboarding(request, job, (gpu + len(sources)) * size, entries)
+    blocks = kv.req_blocks[request.request_id][gpu : gpu + len(sources)]
+    settled = kv.pool.settled(blocks)
+    block_ids = [b.block_id for b in blocks]
+    job = manager.load(hashes[gpu : gpu + len(sources)], sources, entries, block_ids, not settled)
+    return [(Onboarding(request, job, (gpu + len(sources)) * size, entries), settled)]
