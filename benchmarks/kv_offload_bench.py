@@ -4,6 +4,7 @@ whose working set is several times the GPU KV pool, with the host tier on and of
     # on the H100 (Llama-3.1-8B shape, random weights):
     python benchmarks/kv_offload_bench.py copy --shape llama-3.1-8b
     python benchmarks/kv_offload_bench.py multi-turn --shape llama-3.1-8b --cpu-gb 32
+    python benchmarks/kv_offload_bench.py serve --shape llama-3.1-8b --cpu-gb 32
     # on a CPU: what saving on store and saving on evict each copy, and when
     python benchmarks/kv_offload_bench.py policy --shape tiny --device cpu
 
@@ -13,6 +14,10 @@ multi-turn: C conversations of T turns (U new prompt tokens and O output tokens 
 run as a closed loop with N turns in flight, each conversation's next turn queued behind
 every other conversation's; the GPU pool is sized to 1/ratio of the final working set.
 TTFT p50/p99 (turns after the first) and output tok/s, tiers off and on.
+serve: multi-turn over HTTP, as users run it: `shoal serve` (tier off, then on) driven by
+`shoal bench run --workload multi-turn`, every conversation open at once with a think time
+between a reply and the next turn (so turns arrive spread out and a conversation's
+history leaves the GPU pool while it thinks); TTFT of turns after the first.
 policy: the multi-turn workload with the host tier on; the copies saving on store made
 (time in flush, after each step) against those saving on evict would have made (the
 blocks the GPU pool evicted each step, copied in the same batches before the step).
@@ -24,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from datetime import UTC, datetime
@@ -37,12 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import SHAPES, model_folder
 from provenance import provenance
+from serving_bench import make_model_dir, wait_healthy
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.kv_offload.copier import BlockCopier
 from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import BlockRemoved, EngineRequest, SamplingParams
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "kv_offload.jsonl"
 BLOCK = 16
 
@@ -205,6 +214,52 @@ def run_multi_turn(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_serve(args: argparse.Namespace) -> dict:
+    """The multi-turn sessions through `shoal serve`, tier off and on."""
+    working, blocks = pool_blocks(args)
+    work = Path(tempfile.mkdtemp(prefix="shoal-kv-offload-"))
+    model = make_model_dir(args.shape, work / "model")
+    result = {"working_set_blocks": working, "gpu_blocks": blocks}
+    for label, gb in (("off", None), ("on", args.cpu_gb)):
+        out = work / label
+        out.mkdir()
+        url = f"http://127.0.0.1:{args.port}"
+        serve = [sys.executable, "-m", "shoal", "serve", "--model", str(model), "--port"]
+        serve += [str(args.port), "--load-format", "dummy", "--dtype", args.dtype]
+        serve += ["--num-gpu-blocks", str(blocks), "--block-size", str(BLOCK)]
+        serve += ["--max-model-len", str(args.max_model_len)]
+        serve += ["--kv-offload-cpu-gb", str(gb)] if gb else []
+        log = (out / "serve.log").open("w")
+        server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            wait_healthy(url, server, 600)
+            bench = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
+            bench += ["--tokenizer", str(model), "--endpoint", "completions"]
+            bench += ["--workload", "multi-turn", "--num-sessions", str(args.conversations)]
+            bench += ["--turns", str(args.turns), "--input-len", str(args.turn_tokens)]
+            bench += ["--output-len", args.output_len, "--seed", str(args.seed)]
+            bench += ["--think-time-ms", str(args.think_time_ms)]
+            bench += ["--no-progress", "--no-plots", "--out", str(out)]
+            subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+            log.close()
+        run = json.loads((out / "results.json").read_text())["runs"][-1]
+        later = [r for r in run["requests"] if r["turn"] > 0 and r["status"] == 200 and not r["error_kind"]]
+        ttfts = sorted(r["ttft_ms"] for r in later)
+        result[label] = {
+            "ttft_p50_ms": statistics.median(ttfts),
+            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "output_tok_s": run["summary"]["throughput"]["output_tokens_per_s"],
+            "cached_prompt_share": sum(r["cached_tokens_server"] or 0 for r in later)
+            / sum(r["input_tokens_server"] or 1 for r in later),
+            "errors": run["summary"]["requests"]["errors"],
+        }
+    result["ttft_p50_speedup"] = result["off"]["ttft_p50_ms"] / result["on"]["ttft_p50_ms"]
+    return result
+
+
 def run_policy(args: argparse.Namespace) -> dict:
     """Copies made saving on store (measured) and saving on evict (replayed per step)."""
     working, blocks = pool_blocks(args)
@@ -257,7 +312,7 @@ def run_policy(args: argparse.Namespace) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["copy", "multi-turn", "policy"])
+    parser.add_argument("mode", choices=["copy", "multi-turn", "serve", "policy"])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default=None)
@@ -274,13 +329,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-gb", type=float, default=32.0, help="host tier size")
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--output-len", default="uniform:32:96", help="serve: output tokens a turn (DIST)"
+    )
+    parser.add_argument(
+        "--think-time-ms", type=float, default=2000.0, help="serve: pause before a next turn"
+    )
+    parser.add_argument("--port", type=int, default=8013)
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
     stamp = provenance()
-    run = {"copy": copy_bandwidth, "multi-turn": run_multi_turn, "policy": run_policy}[args.mode]
+    modes = {"copy": copy_bandwidth, "multi-turn": run_multi_turn, "serve": run_serve}
+    run = {**modes, "policy": run_policy}[args.mode]
     result = run(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     record = {
