@@ -13,7 +13,9 @@ slots, in GB/s, next to one large pinned memcpy each way (the link's measured pe
 multi-turn: C conversations of T turns (U new prompt tokens and O output tokens a turn),
 run as a closed loop with N turns in flight, each conversation's next turn queued behind
 every other conversation's; the GPU pool is sized to 1/ratio of the final working set.
-TTFT p50/p99 (turns after the first) and output tok/s, tiers off and on.
+TTFT p50/p99 (turns after the first) and output tok/s, tiers off and on. With
+--think-time-ms, every conversation is open at once instead and its next turn arrives
+that long after its reply (outputs from --output-len): serve's workload, in process.
 serve: multi-turn over HTTP, as users run it: `shoal serve` (tier off, then on) driven by
 `shoal bench run --workload multi-turn`, every conversation open at once with a think time
 between a reply and the next turn (so turns arrive spread out and a conversation's
@@ -27,6 +29,7 @@ Each run appends a record with provenance to benchmarks/results/kv_offload.jsonl
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import statistics
 import subprocess
@@ -46,6 +49,7 @@ from engine_bench import SHAPES, model_folder
 from provenance import provenance
 from serving_bench import make_model_dir, wait_healthy
 
+from shoal.bench.workloads import LengthDist
 from shoal.engine.config import EngineConfig
 from shoal.engine.kv_offload.copier import BlockCopier
 from shoal.engine.llm_engine import LLMEngine
@@ -191,6 +195,60 @@ def multi_turn(engine: LLMEngine, args: argparse.Namespace, vocab: int, on_step=
     }
 
 
+def open_conversations(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> dict:
+    """Every conversation open at once, as `serve` runs them: a conversation's next turn
+    arrives --think-time-ms after its reply ends, outputs drawn from --output-len. TTFT of
+    later turns, and output throughput."""
+    turns = conversations(args, vocab)
+    rng = np.random.default_rng(args.seed + 1)
+    outputs = [LengthDist.parse(args.output_len).sample(rng, args.turns) for _ in turns]
+    history: list[list[int]] = [[] for _ in turns]
+    next_turn = [0] * len(turns)
+    due = [(0.0, c) for c in range(len(turns))]  # (seconds from the start, conversation)
+    submitted: dict[str, float] = {}
+    ttfts: list[float] = []
+    out_tokens, in_flight, think = 0, 0, args.think_time_ms / 1e3
+    start = time.perf_counter()
+    while due or in_flight:
+        now = time.perf_counter()
+        while due and start + due[0][0] <= now:
+            _, c = heapq.heappop(due)
+            t = next_turn[c]
+            next_turn[c] += 1
+            history[c] = history[c] + turns[c][t]
+            sp = SamplingParams(temperature=0.0, max_tokens=int(outputs[c][t]), ignore_eos=True)
+            rid = f"{c}-{t}"
+            engine.add_request(
+                EngineRequest(request_id=rid, prompt_token_ids=history[c], sampling=sp)
+            )
+            submitted[rid] = now
+            in_flight += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(min(1e-3, max(0.0, start + due[0][0] - now)))
+            continue
+        step_outputs = engine.step()
+        now = time.perf_counter()
+        for out in step_outputs:
+            c, t = (int(x) for x in out.request_id.split("-"))
+            history[c] = history[c] + list(out.new_token_ids)
+            out_tokens += len(out.new_token_ids)
+            first = submitted.pop(out.request_id, None) if out.new_token_ids else None
+            if first is not None and t > 0:
+                ttfts.append(now - first)
+            if out.finished:
+                in_flight -= 1
+                if next_turn[c] < args.turns:
+                    heapq.heappush(due, (now - start + think, c))
+    wall = time.perf_counter() - start
+    ttfts.sort()
+    return {
+        "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+        "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "output_tok_s": out_tokens / wall,
+        "wall_s": wall,
+    }
+
+
 def pool_blocks(args: argparse.Namespace) -> tuple[int, int]:
     """The final working set in blocks, and the GPU pool: that divided by the ratio."""
     per_conv = args.turns * (args.turn_tokens + args.output_tokens)
@@ -204,7 +262,8 @@ def run_multi_turn(args: argparse.Namespace) -> dict:
     result = {"working_set_blocks": working, "gpu_blocks": blocks}
     for label, gb in (("off", None), ("on", args.cpu_gb)):
         engine = make_engine(args, blocks, gb)
-        result[label] = multi_turn(engine, args, vocab)
+        loop = open_conversations if args.think_time_ms else multi_turn
+        result[label] = loop(engine, args, vocab)
         if engine.kv.offload is not None:
             result[label]["tiers"] = {m: vars(s) for m, s in engine.kv.offload.stats.items()}
         del engine
@@ -238,7 +297,7 @@ def run_serve(args: argparse.Namespace) -> dict:
             bench += ["--workload", "multi-turn", "--num-sessions", str(args.conversations)]
             bench += ["--turns", str(args.turns), "--input-len", str(args.turn_tokens)]
             bench += ["--output-len", args.output_len, "--seed", str(args.seed)]
-            bench += ["--think-time-ms", str(args.think_time_ms)]
+            bench += ["--think-time-ms", str(args.think_time_ms or 2000.0)]
             bench += ["--no-progress", "--no-plots", "--out", str(out)]
             subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         finally:
@@ -246,7 +305,8 @@ def run_serve(args: argparse.Namespace) -> dict:
             server.wait(timeout=60)
             log.close()
         run = json.loads((out / "results.json").read_text())["runs"][-1]
-        later = [r for r in run["requests"] if r["turn"] > 0 and r["status"] == 200 and not r["error_kind"]]
+        ok = [r for r in run["requests"] if r["status"] == 200 and not r["error_kind"]]
+        later = [r for r in ok if r["turn"] > 0]
         ttfts = sorted(r["ttft_ms"] for r in later)
         result[label] = {
             "ttft_p50_ms": statistics.median(ttfts),
@@ -330,10 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--output-len", default="uniform:32:96", help="serve: output tokens a turn (DIST)"
+        "--output-len",
+        default="uniform:32:96",
+        help="serve, and multi-turn with a think time: output tokens a turn (DIST)",
     )
     parser.add_argument(
-        "--think-time-ms", type=float, default=2000.0, help="serve: pause before a next turn"
+        "--think-time-ms",
+        type=float,
+        help="pause between a reply and the conversation's next turn, every conversation "
+        "open at once (serve: default 2000; multi-turn: default none, the closed loop)",
     )
     parser.add_argument("--port", type=int, default=8013)
     return parser
