@@ -12,6 +12,7 @@ import functools
 import gc
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from shoal.disagg.backends import start_exporters, start_transports
@@ -48,6 +49,11 @@ from shoal.worker.kv_publisher import KVPublisher
 from shoal.worker.metrics import StatsLogger, WorkerMetrics
 
 log = logging.getLogger(__name__)
+# The engine thread holds the GIL through each step's host work; the loop thread (requests
+# in, outputs out) would wait up to the interpreter's 5 ms switch interval at each hand-off.
+# With the host tier on, that added 30-80 ms to onboarded turns' TTFT p50 in
+# kv_offload_bench serve on the H100 (docs/kv-offload.md).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 LOAD_INTERVAL = 0.2  # seconds between load reports (and metric refreshes)
 DEFAULT_STATS_INTERVAL = 10.0  # seconds between engine stats log lines
@@ -321,6 +327,7 @@ async def serve_worker(
     )
     gc.collect()
     gc.freeze()  # the engine's and the model's objects stay out of every full collection
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         stopped = asyncio.create_task(stop.wait())
         dead = asyncio.create_task(died.wait())
