@@ -21,6 +21,9 @@ import runpy
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
 
 MIN_FRAMES = 60  # bytes: request-plane messages shorter than this are heartbeats or credit
 
