@@ -141,87 +141,93 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]
     ]
 
 
+class Turns:
+    """The conversations' turns: their histories, what each turn adds, and its figures."""
+
+    def __init__(self, args: argparse.Namespace, vocab: int) -> None:
+        self.new_tokens = conversations(args, vocab)
+        self.history: list[list[int]] = [[] for _ in self.new_tokens]
+        self.next_turn = [0] * len(self.new_tokens)
+        self.submitted: dict[str, float] = {}
+        self.ttfts: list[float] = []
+        self.out_tokens = 0
+
+    def submit(self, engine: LLMEngine, c: int, sp: SamplingParams) -> str:
+        """Send conversation c's next turn; its request id."""
+        t = self.next_turn[c]
+        self.next_turn[c] += 1
+        self.history[c] = self.history[c] + self.new_tokens[c][t]
+        rid = f"{c}-{t}"
+        engine.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=self.history[c], sampling=sp)
+        )
+        self.submitted[rid] = time.perf_counter()
+        return rid
+
+    def take(self, out, now: float) -> int:
+        """Record a step output (TTFT of turns after the first); its conversation."""
+        c, t = (int(x) for x in out.request_id.split("-"))
+        self.history[c] = self.history[c] + list(out.new_token_ids)
+        self.out_tokens += len(out.new_token_ids)
+        first = self.submitted.pop(out.request_id, None) if out.new_token_ids else None
+        if first is not None and t > 0:
+            self.ttfts.append(now - first)
+        return c
+
+    def figures(self, wall: float) -> dict:
+        ttfts = sorted(self.ttfts)
+        return {
+            "ttft_p50_ms": 1e3 * statistics.median(ttfts),
+            "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "output_tok_s": self.out_tokens / wall,
+            "wall_s": wall,
+        }
+
+
 def multi_turn(engine: LLMEngine, args: argparse.Namespace, vocab: int, on_step=None) -> dict:
     """Closed loop over the conversations: `concurrency` turns in flight; a finished turn
     sends its conversation to the back of the line, so every other conversation takes a turn
     before it returns (its prefix has left the GPU pool by then). TTFT of later turns, and
     output throughput."""
-    turns = conversations(args, vocab)
-    history: list[list[int]] = [[] for _ in turns]
-    next_turn = [0] * len(turns)
-    line = deque(range(len(turns)))
+    record = Turns(args, vocab)
+    line = deque(range(len(record.new_tokens)))
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    submitted: dict[str, float] = {}
     in_flight: set[str] = set()
-    ttfts: list[float] = []
-    out_tokens = 0
-
-    def submit() -> None:
-        c = line.popleft()
-        t = next_turn[c]
-        next_turn[c] += 1
-        history[c] = history[c] + turns[c][t]
-        rid = f"{c}-{t}"
-        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=history[c], sampling=sp))
-        submitted[rid] = time.perf_counter()
-        in_flight.add(rid)
-
     start = time.perf_counter()
     while line or in_flight:
         while line and len(in_flight) < args.concurrency:
-            submit()
+            in_flight.add(record.submit(engine, line.popleft(), sp))
         outputs = engine.step()
         now = time.perf_counter()
         if on_step is not None:
             on_step(engine)
         for out in outputs:
-            c, t = (int(x) for x in out.request_id.split("-"))
-            history[c] = history[c] + list(out.new_token_ids)
-            out_tokens += len(out.new_token_ids)
-            first = submitted.pop(out.request_id, None) if out.new_token_ids else None
-            if first is not None and t > 0:
-                ttfts.append(now - first)
+            c = record.take(out, now)
             if out.finished:
                 in_flight.discard(out.request_id)
-                if next_turn[c] < args.turns:
+                if record.next_turn[c] < args.turns:
                     line.append(c)
-    wall = time.perf_counter() - start
-    ttfts.sort()
-    return {
-        "ttft_p50_ms": 1e3 * statistics.median(ttfts),
-        "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "output_tok_s": out_tokens / wall,
-        "wall_s": wall,
-    }
+    return record.figures(time.perf_counter() - start)
 
 
 def open_conversations(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> dict:
     """Every conversation open at once, as `serve` runs them: a conversation's next turn
     arrives --think-time-ms after its reply ends, outputs drawn from --output-len. TTFT of
     later turns, and output throughput."""
-    turns = conversations(args, vocab)
+    record = Turns(args, vocab)
     rng = np.random.default_rng(args.seed + 1)
-    outputs = [LengthDist.parse(args.output_len).sample(rng, args.turns) for _ in turns]
-    history: list[list[int]] = [[] for _ in turns]
-    next_turn = [0] * len(turns)
-    due = [(0.0, c) for c in range(len(turns))]  # (seconds from the start, conversation)
-    submitted: dict[str, float] = {}
-    ttfts: list[float] = []
-    out_tokens, in_flight, think = 0, 0, args.think_time_ms / 1e3
+    dist = LengthDist.parse(args.output_len)
+    outputs = [dist.sample(rng, args.turns) for _ in record.new_tokens]
+    due = [(0.0, c) for c in range(len(outputs))]  # (seconds from the start, conversation)
+    in_flight, think = 0, args.think_time_ms / 1e3
     start = time.perf_counter()
     while due or in_flight:
         now = time.perf_counter()
         while due and start + due[0][0] <= now:
             _, c = heapq.heappop(due)
-            t = next_turn[c]
-            next_turn[c] += 1
-            history[c] = history[c] + turns[c][t]
-            sp = SamplingParams(temperature=0.0, max_tokens=int(outputs[c][t]), ignore_eos=True)
-            rid = f"{c}-{t}"
-            engine.add_request(
-                EngineRequest(request_id=rid, prompt_token_ids=history[c], sampling=sp)
-            )
-            submitted[rid] = now
+            max_tokens = int(outputs[c][record.next_turn[c]])
+            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            record.submit(engine, c, sp)
             in_flight += 1
         if not engine.has_unfinished_requests():
             time.sleep(min(1e-3, max(0.0, start + due[0][0] - now)))
@@ -229,24 +235,12 @@ def open_conversations(engine: LLMEngine, args: argparse.Namespace, vocab: int) 
         step_outputs = engine.step()
         now = time.perf_counter()
         for out in step_outputs:
-            c, t = (int(x) for x in out.request_id.split("-"))
-            history[c] = history[c] + list(out.new_token_ids)
-            out_tokens += len(out.new_token_ids)
-            first = submitted.pop(out.request_id, None) if out.new_token_ids else None
-            if first is not None and t > 0:
-                ttfts.append(now - first)
+            c = record.take(out, now)
             if out.finished:
                 in_flight -= 1
-                if next_turn[c] < args.turns:
+                if record.next_turn[c] < args.turns:
                     heapq.heappush(due, (now - start + think, c))
-    wall = time.perf_counter() - start
-    ttfts.sort()
-    return {
-        "ttft_p50_ms": 1e3 * statistics.median(ttfts),
-        "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "output_tok_s": out_tokens / wall,
-        "wall_s": wall,
-    }
+    return record.figures(time.perf_counter() - start)
 
 
 def pool_blocks(args: argparse.Namespace) -> tuple[int, int]:

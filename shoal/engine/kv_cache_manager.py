@@ -59,6 +59,14 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.wants_prompt_logprobs:
             return [], 0
+        hits = self.prefix_hits(request)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def prefix_hits(self, request: Request) -> list[KVBlock]:
+        """The request's leading blocks in the prefix cache, up to its last token (which
+        is left to compute); no counting."""
         hashes = request.update_block_hashes(self.block_size)
         limit = (request.num_tokens - 1) // self.block_size
         hits = []
@@ -67,9 +75,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        return hits
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None

@@ -114,16 +114,7 @@ def _gpu_hits(manager: OffloadManager, request: Request) -> list[KVBlock]:
     kv = manager.kv
     if request.num_computed_tokens or not kv.enable_caching or request.wants_prompt_logprobs:
         return []
-    size = kv.block_size
-    hashes = request.update_block_hashes(size)
-    limit = (request.num_tokens - 1) // size  # a token is left to compute, for logits
-    hits = []
-    for h in hashes[:limit]:
-        block = kv.pool.lookup(h)
-        if block is None:
-            break
-        hits.append(block)
-    return hits
+    return kv.prefix_hits(request)
 
 
 def _eligible(manager: OffloadManager, request: Request) -> bool:
