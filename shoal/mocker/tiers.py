@@ -70,12 +70,19 @@ class ModelledCopier:
         """GPU to host: the blocks' bytes over the host link."""
         return self._job("save", len(block_ids) * self.block_bytes / (self.model.host_gbps * 1e9))
 
-    def load(self, sources: list[torch.Tensor], block_ids: list[int]) -> ModelledJob:
-        """Host (and disk, for the blocks read() found there) to GPU."""
+    def load(
+        self, sources: list[torch.Tensor], block_ids: list[int], after_queued: bool = True
+    ) -> ModelledJob:
+        """Host (and disk, for the blocks read() found there) to GPU. The modelled steps do
+        not overlap, so the copy starts when the link is free either way."""
         disk, self.disk_blocks = self.disk_blocks, 0
         nbytes = self.block_bytes
         seconds = len(block_ids) * nbytes / (self.model.host_gbps * 1e9)
         return self._job("load", seconds + disk * nbytes / (self.model.disk_gbps * 1e9))
+
+    def order_before_steps(self, job: ModelledJob) -> None:
+        """The next step starts once the copy is done: the clock runs idle to its end."""
+        self.runner.idle_until(job.end)
 
 
 class ModelledOffload(OffloadManager):
