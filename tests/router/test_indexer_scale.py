@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+from overlap_reference import leading_overlaps
 
 from shoal.kv_hash import hash_blocks
 from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored
@@ -73,15 +74,7 @@ class Model:
         return set().union(*(set(tiers.get(m, {}).values()) for m in media))
 
     def overlaps(self, hashes: list[int], *media: str) -> dict[str, int]:
-        result = {}
-        for worker in self.pairs:
-            held = self.held(worker, *media)
-            n = 0
-            while n < len(hashes) and hashes[n] in held:
-                n += 1
-            if n:
-                result[worker] = n
-        return result
+        return leading_overlaps(hashes, {w: self.held(w, *media) for w in self.pairs})
 
 
 def random_batch(rng: random.Random, sequences: list[list[int]], model: Model, worker: str):

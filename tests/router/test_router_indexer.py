@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from overlap_reference import leading_overlaps
 
 from shoal.kv_hash import extra_key, hash_blocks
 from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -204,15 +205,7 @@ class Model:
             pairs.clear()
 
     def overlaps(self, hashes: Sequence[int]) -> dict[str, int]:
-        result = {}
-        for worker in self.pairs:
-            held = self.held(worker)
-            n = 0
-            while n < len(hashes) and hashes[n] in held:
-                n += 1
-            if n:
-                result[worker] = n
-        return result
+        return leading_overlaps(hashes, {w: self.held(w) for w in self.pairs})
 
 
 def corpus(rng: random.Random) -> list[list[int]]:
