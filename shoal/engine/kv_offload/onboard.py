@@ -37,6 +37,7 @@ class Onboarding:
     job: Job
     num_tokens: int  # its tokens computed once the copy is done
     entries: list[HostEntry] = field(default_factory=list)  # host slots the copy reads
+    settled: bool = False  # no step in flight can touch its blocks: the copy started at once
     cancelled: bool = False
     released: bool = False  # queued again before the copy is done (the steps wait for it)
 
@@ -57,7 +58,7 @@ def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> N
         return
     kv = manager.kv
     free = kv.pool.num_free
-    started: list[tuple[Onboarding, bool]] = []
+    started: list[Onboarding] = []
     for request in islice(scheduler.waiting, room):
         if scheduler.waits_for_leader(request):
             continue  # it shares its leader's prompt blocks
@@ -68,11 +69,13 @@ def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> N
         if need > free:
             break
         free -= need
-        if held == 0 and _eligible(manager, request):
-            started += _start(manager, request, hits)
-    for load, settled in started:
+        if _eligible(manager, request):
+            load = _start(manager, request, hits)
+            if load is not None:
+                started.append(load)
+    for load in started:
         scheduler.waiting.remove(load.request)
-        if settled:
+        if load.settled:
             _release(manager, scheduler, load)
         manager.loads.append(load)
     finish(manager, scheduler)
@@ -128,13 +131,11 @@ def _eligible(manager: OffloadManager, request: Request) -> bool:
     )
 
 
-def _start(
-    manager: OffloadManager, request: Request, hits: list[KVBlock]
-) -> list[tuple[Onboarding, bool]]:
-    """Take the request's GPU hits and blocks for its lower-tier hits, and start the copy:
-    the onboarding, and whether no step in flight can touch its blocks (the copy started
-    at once, and the request can run in the next step, which waits for the copy); none
-    when the tiers hold nothing more of its prefix."""
+def _start(manager: OffloadManager, request: Request, hits: list[KVBlock]) -> Onboarding | None:
+    """Take the request's GPU hits and blocks for its lower-tier hits, and start the copy
+    (at once if no step in flight can touch those blocks: the request can then run in the
+    next step, which waits for the copy); None when the tiers hold nothing more of its
+    prefix."""
     kv = manager.kv
     size = kv.block_size
     hashes = request.block_hashes
@@ -142,10 +143,10 @@ def _start(
     gpu = len(hits)
     media = manager.find(hashes[gpu:limit])
     if not media:
-        return []
+        return None
     sources, entries = manager.read(hashes[gpu : gpu + len(media)], media)
     if not sources:
-        return []
+        return None
     kv.stats.queries += request.num_tokens
     kv.stats.hits += gpu * size
     if hits:
@@ -156,4 +157,4 @@ def _start(
     settled = kv.pool.settled(blocks)
     block_ids = [b.block_id for b in blocks]
     job = manager.load(hashes[gpu : gpu + len(sources)], sources, entries, block_ids, not settled)
-    return [(Onboarding(request, job, (gpu + len(sources)) * size, entries), settled)]
+    return Onboarding(request, job, (gpu + len(sources)) * size, entries, settled)
