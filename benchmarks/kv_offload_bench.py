@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import SHAPES, model_folder
 from provenance import provenance
-from serving_bench import make_model_dir, wait_healthy
+from serving_bench import ROOT, make_model_dir, shoal_serve
 
 from shoal.bench.workloads import LengthDist
 from shoal.engine.config import EngineConfig
@@ -55,7 +55,6 @@ from shoal.engine.kv_offload.copier import BlockCopier
 from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import BlockRemoved, EngineRequest, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "kv_offload.jsonl"
 BLOCK = 16
 
@@ -141,6 +140,11 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]
     ]
 
 
+def median_and_p99(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 class Turns:
     """The conversations' turns: their histories, what each turn adds, and its figures."""
 
@@ -175,10 +179,10 @@ class Turns:
         return c
 
     def figures(self, wall: float) -> dict:
-        ttfts = sorted(self.ttfts)
+        p50, p99 = median_and_p99(self.ttfts)
         return {
-            "ttft_p50_ms": 1e3 * statistics.median(ttfts),
-            "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "ttft_p50_ms": 1e3 * p50,
+            "ttft_p99_ms": 1e3 * p99,
             "output_tok_s": self.out_tokens / wall,
             "wall_s": wall,
         }
@@ -276,16 +280,11 @@ def run_serve(args: argparse.Namespace) -> dict:
     for label, gb in (("off", None), ("on", args.cpu_gb)):
         out = work / label
         out.mkdir()
-        url = f"http://127.0.0.1:{args.port}"
-        serve = [sys.executable, "-m", "shoal", "serve", "--model", str(model), "--port"]
-        serve += [str(args.port), "--load-format", "dummy", "--dtype", args.dtype]
-        serve += ["--num-gpu-blocks", str(blocks), "--block-size", str(BLOCK)]
-        serve += ["--max-model-len", str(args.max_model_len)]
-        serve += ["--kv-offload-cpu-gb", str(gb)] if gb else []
-        log = (out / "serve.log").open("w")
-        server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            wait_healthy(url, server, 600)
+        flags = ["--model", str(model), "--load-format", "dummy", "--dtype", args.dtype]
+        flags += ["--num-gpu-blocks", str(blocks), "--block-size", str(BLOCK)]
+        flags += ["--max-model-len", str(args.max_model_len)]
+        flags += ["--kv-offload-cpu-gb", str(gb)] if gb else []
+        with shoal_serve(flags, args.port, out / "serve.log", 600) as url:
             bench = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
             bench += ["--tokenizer", str(model), "--endpoint", "completions"]
             bench += ["--workload", "multi-turn", "--num-sessions", str(args.conversations)]
@@ -294,17 +293,13 @@ def run_serve(args: argparse.Namespace) -> dict:
             bench += ["--think-time-ms", str(args.think_time_ms or 2000.0)]
             bench += ["--no-progress", "--no-plots", "--out", str(out)]
             subprocess.run(bench, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
-            log.close()
         run = json.loads((out / "results.json").read_text())["runs"][-1]
         ok = [r for r in run["requests"] if r["status"] == 200 and not r["error_kind"]]
         later = [r for r in ok if r["turn"] > 0]
-        ttfts = sorted(r["ttft_ms"] for r in later)
+        p50, p99 = median_and_p99([r["ttft_ms"] for r in later])
         result[label] = {
-            "ttft_p50_ms": statistics.median(ttfts),
-            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "ttft_p50_ms": p50,
+            "ttft_p99_ms": p99,
             "output_tok_s": run["summary"]["throughput"]["output_tokens_per_s"],
             "cached_prompt_share": sum(r["cached_tokens_server"] or 0 for r in later)
             / sum(r["input_tokens_server"] or 1 for r in later),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -151,23 +152,28 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit(f"shoal serve not healthy after {timeout:.0f}s")
 
 
+@contextlib.contextmanager
+def shoal_serve(flags: list[str], port: int, log_path: Path, start_timeout: float):
+    """`shoal serve` with these flags on `port`, logging to log_path; yields its URL once
+    it is healthy and stops it on the way out."""
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log:
+        cmd = [sys.executable, "-m", "shoal", "serve", "--port", str(port), *flags]
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            wait_healthy(url, server, start_timeout)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
 def serve_half(args: argparse.Namespace, out_dir: Path) -> dict:
     """Run the workload through `shoal serve` at the given concurrency; the bench summary."""
-    url = f"http://127.0.0.1:{args.port}"
-    serve_log = (out_dir / "serve.log").open("w")
-    server = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "shoal", "serve", "--model", str(args.model_dir)),
-            *("--load-format", "dummy", "--workers", "1", "--port", str(args.port)),
-            *("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
-            *args.serve_args.split(),
-        ],
-        stdout=serve_log,
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-    )
-    try:
-        wait_healthy(url, server, args.start_timeout)
+    flags = ["--model", str(args.model_dir), "--load-format", "dummy", "--workers", "1"]
+    flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    flags += args.serve_args.split()
+    with shoal_serve(flags, args.port, out_dir / "serve.log", args.start_timeout) as url:
         bench = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
         bench += ["--tokenizer", str(args.model_dir), "--seed", str(args.seed)]
         bench += ["--concurrency", str(args.concurrency)]
@@ -176,10 +182,6 @@ def serve_half(args: argparse.Namespace, out_dir: Path) -> dict:
         bench += ["--output-len", f"uniform:{args.min_len}:{args.max_len}"]
         bench += ["--warmup", "8", "--no-progress", "--no-plots", "--out", str(out_dir)]
         subprocess.run(bench, check=True, cwd=ROOT)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-        serve_log.close()
     doc = json.loads((out_dir / "results.json").read_text())
     return doc["runs"][-1]["summary"]
 
