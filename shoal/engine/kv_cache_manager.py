@@ -68,9 +68,12 @@ class KVCacheManager:
         """The request's leading blocks in the prefix cache, up to its last token (which
         is left to compute); no counting."""
         hashes = request.update_block_hashes(self.block_size)
-        limit = (request.num_tokens - 1) // self.block_size
+        return self._leading_cached(hashes[: (request.num_tokens - 1) // self.block_size])
+
+    def _leading_cached(self, block_hashes: list[int]) -> list[KVBlock]:
+        """The cached blocks of these hashes, up to the first that is not cached."""
         hits = []
-        for h in hashes[:limit]:
+        for h in block_hashes:
             block = self.pool.lookup(h)
             if block is None:
                 break
@@ -161,12 +164,7 @@ class KVCacheManager:
         """How many leading blocks of these hashes the prefix cache holds now."""
         if not self.enable_caching:
             return 0
-        count = 0
-        for h in block_hashes:
-            if self.pool.lookup(h) is None:
-                break
-            count += 1
-        return count
+        return len(self._leading_cached(block_hashes))
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks[request.request_id]]
