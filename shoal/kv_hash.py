@@ -1,8 +1,12 @@
-"""THE block-hash function: engine and router both call it, so they agree on every block.
+"""The block hashes: the engine's prefix-cache identity, and the router's index key.
 
-h_i = xxh3_64(h_{i-1} as 8 little-endian bytes + token ids as little-endian u32 + extra key),
-with a fixed seed; the first block of a sequence has no parent bytes. Only full blocks
-are hashed.
+The engine's: h_i = xxh3_64(h_{i-1} as 8 little-endian bytes + token ids as little-endian
+u32 + extra key), with a fixed seed; the first block of a sequence has no parent bytes. It
+names blocks in the prefix cache, in KV events, in transfers and in the offload tiers.
+
+The router's (route_hashes): the same chain over full blocks, computed in numpy for all of
+a prompt's blocks at once; the router keys its index on it, re-hashing the tokens of every
+stored block, and maps engine hashes to it for removals. Only full blocks are hashed.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from array import array
 from collections.abc import Sequence
 from sys import byteorder
 
+import numpy as np
 import xxhash
 
 HASH_SEED = 0x5E0A1
@@ -80,3 +85,134 @@ def hash_blocks(
             parent = xxh3(u64(parent) + data[b : b + step], seed)
             append(parent)
     return hashes
+
+
+# ---- The router's index key: the same chained structure, vectorised, for routing only.
+#
+# The router re-hashes every BlockStored's tokens and every prompt it routes, so its key is
+# computed in numpy over all blocks at once instead of one xxh3 call per block. A block's
+# content hash is a keyed multiply-xorshift sum over its tokens (two tokens a 64-bit word)
+# passed through a finaliser; the chain is a polynomial over the content hashes,
+# r_i = r_{i-1} * P + c_i (mod 2^64), which a prefix sum computes for every block at once.
+# It is weaker than xxh3 against crafted collisions, which is why the engine's prefix cache
+# never uses it: a collision here can only send a request to a worker that lacks its
+# prefix.
+
+_M64 = (1 << 64) - 1
+ROUTE_ROOT = 0x243F6A8885A308D3  # r_{-1} of a sequence's first block
+_P = 0x9E3779B97F4A7C15  # the chain's multiplier (odd, so invertible mod 2^64)
+_P_INV = pow(_P, -1, 1 << 64)
+_S27, _S30, _S31, _S32 = (np.uint64(s) for s in (27, 30, 31, 32))
+_F1, _F2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(seed: int, n: int) -> np.ndarray:
+    """n odd 64-bit keys from splitmix64, so every process derives the same ones."""
+    keys = []
+    for _ in range(n):
+        seed = (seed + 0x9E3779B97F4A7C15) & _M64
+        z = seed
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        keys.append((z ^ (z >> 31)) | 1)
+    return np.array(keys, np.uint64)
+
+
+class _Powers:
+    """P^i and P^-i mod 2^64 for i below a bound that grows on demand."""
+
+    def __init__(self) -> None:
+        self.up = np.ones(1, np.uint64)
+        self.down = np.ones(1, np.uint64)
+
+    def ensure(self, n: int) -> None:
+        if n > len(self.up):
+            size = max(n, 2 * len(self.up), 1024)
+            self.up = np.cumprod(np.full(size, _P, np.uint64)) * np.uint64(_P_INV)
+            self.down = np.cumprod(np.full(size, _P_INV, np.uint64)) * np.uint64(_P)
+
+
+_powers = _Powers()
+_word_keys: dict[int, np.ndarray] = {}
+
+
+def _finalise(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, in place: every input bit reaches every output bit."""
+    x ^= x >> _S30
+    x *= _F1
+    x ^= x >> _S27
+    x *= _F2
+    x ^= x >> _S31
+    return x
+
+
+def route_extra(extra: bytes) -> int:
+    """The extra key as the 64-bit value mixed into each block's content hash."""
+    return xxhash.xxh3_64_intdigest(extra, HASH_SEED) if extra else 0
+
+
+def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a uint32 array (no copy if they are one already)."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.astype(np.uint32, copy=False)
+    buf = array("I", token_ids)
+    if byteorder != "little":
+        buf.byteswap()
+    return np.frombuffer(buf, "<u4")
+
+
+def route_hash_runs(
+    tokens: np.ndarray,
+    block_size: int,
+    parents: np.ndarray,
+    lengths: np.ndarray,
+    extras: np.ndarray | None = None,
+) -> np.ndarray:
+    """Router hashes of consecutive runs of full blocks laid end to end in `tokens` (uint32):
+    run k has lengths[k] blocks chained from parents[k] (a router hash, or ROUTE_ROOT), its
+    content mixed with extras[k] (route_extra; none if None). One uint64 per block."""
+    n = int(lengths.sum())
+    if n == 0:
+        return np.zeros(0, np.uint64)
+    if block_size % 2 == 0:
+        words = tokens[: n * block_size].view("<u8").reshape(n, block_size // 2)
+    else:
+        words = tokens[: n * block_size].astype(np.uint64).reshape(n, block_size)
+    keys = _word_keys.get(words.shape[1])
+    if keys is None:
+        keys = _word_keys[words.shape[1]] = _splitmix64(HASH_SEED, words.shape[1])
+    mixed = words * keys
+    mixed ^= mixed >> _S32
+    content = mixed.sum(axis=1, dtype=np.uint64)
+    if extras is not None:
+        content ^= np.repeat(extras, lengths)
+    _finalise(content)
+    _powers.ensure(n + 1)
+    up, down = _powers.up, _powers.down
+    sums = np.cumsum(content * down[:n], dtype=np.uint64)  # C_i = sum_{m<=i} c_m P^-m
+    if len(lengths) == 1:
+        return up[1 : n + 1] * np.uint64(parents[0]) + up[:n] * sums
+    starts = np.cumsum(lengths) - lengths
+    before = np.zeros(len(lengths), np.uint64)  # C_{s-1} of each run
+    before[starts > 0] = sums[starts[starts > 0] - 1]
+    local = np.arange(1, n + 1) - np.repeat(starts, lengths)  # i - s + 1
+    return up[local] * np.repeat(parents, lengths) + up[:n] * (sums - np.repeat(before, lengths))
+
+
+def route_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra: bytes = b"",
+    parent: int | None = None,
+) -> np.ndarray:
+    """Router hashes (uint64) of every full block of token_ids, chained from `parent` (the
+    router hash of the block before them; None: they start the sequence)."""
+    tokens = token_array(token_ids)
+    n = len(tokens) // block_size
+    return route_hash_runs(
+        tokens,
+        block_size,
+        np.array([ROUTE_ROOT if parent is None else parent], np.uint64),
+        np.array([n]),
+        np.array([route_extra(extra)], np.uint64) if extra else None,
+    )

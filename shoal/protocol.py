@@ -375,18 +375,18 @@ class KVStateRequest(msgspec.Struct, kw_only=True):
 
 
 class KVStateDump(msgspec.Struct, kw_only=True):
-    """Every block a worker caches, as of the KV event batch numbered `seq`.
+    """Every block a worker caches in GPU memory, as of the KV event batch numbered `seq`.
 
-    A router replaces what it knew of the worker with `block_hashes`, then applies the
+    A router replaces what it knew of the worker with what `events` store, then applies the
     worker's batches numbered above `seq` (-1 if the worker's numbers start at 0, as vLLM's
-    do, and none was sent). The hashes are kv_hash hashes: a worker that answers dumps hashes
-    its blocks with kv_hash, so they are both its engine's hashes and the router's keys.
+    do, and none was sent). The events are BlockStored ones, each block's parent before it,
+    so the router re-hashes their tokens as it does any stored block's.
     """
 
     worker_id: str
     seq: int
     block_size: int
-    block_hashes: list[int]
+    events: list[BlockStored]
 
 
 # Router replicas share the load they add to workers (shoal/router/replica_sync.py): each

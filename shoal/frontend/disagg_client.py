@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from shoal.flags import Flag, FlagGroup
 from shoal.frontend.worker_client import WorkerClient, _continuation
-from shoal.kv_hash import extra_key, hash_blocks
+from shoal.kv_hash import extra_key, route_hashes
 from shoal.protocol import (
     KV_BLOCKS_ENDPOINT,
     PREFILL_ENDPOINT,
@@ -182,7 +182,7 @@ class DisaggClient:
         policy = self.workers.policy
         if not isinstance(policy, KvRouter):
             return 0
-        hashes = hash_blocks(request.prompt_token_ids, block_size, extra_key(request.lora_id))
+        hashes = route_hashes(request.prompt_token_ids, block_size, extra_key(request.lora_id))
         return max(policy.indexer.overlaps(hashes).values(), default=0)
 
     async def _prefill(self, instance: InstanceRecord, request: EngineRequest):

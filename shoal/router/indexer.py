@@ -1,10 +1,13 @@
 """Which workers hold which KV blocks, kept up to date from the workers' KV events.
 
-The index keys every block on the router's own hash of its tokens (shoal.kv_hash), whatever
-hash the engine that cached it uses: a BlockStored event's token_ids are re-hashed, chained
-from the router hash of the event's parent block, and each worker keeps a map from its
-engine's hashes to the router's, which BlockRemoved events are read through. So the index
-follows shoal engines and any engine publishing vLLM-format events alike.
+The index keys every block on the router's own hash of its tokens (kv_hash.route_hashes),
+whatever hash the engine that cached it uses: a BlockStored event's token_ids are re-hashed,
+chained from the router hash of the event's parent block, and each worker keeps a map from
+its engine's hashes to the router's, which BlockRemoved events are read through. So the
+index follows shoal engines and any engine publishing vLLM-format events alike. A batch's
+events are re-hashed in one vectorised call (a _Wave) wherever each event's parent is known
+before the batch or is the last block of the event before it, as it is when an engine
+stores a request's blocks step after step.
 
 Router hashes are chained, so one hash names its block and its whole prefix: the index is a
 flat table from hash to block id (shoal.router.block_table, numpy), and per block id a bit
@@ -42,7 +45,7 @@ from operator import and_, is_not
 
 import numpy as np
 
-from shoal.kv_hash import extra_key, hash_blocks
+from shoal.kv_hash import ROUTE_ROOT, extra_key, route_extra, route_hash_runs, token_array
 from shoal.protocol import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -144,6 +147,49 @@ def _leading(rows: np.ndarray, columns: _Columns) -> dict[str, int]:
     return {names[c]: d for c, d in zip(column.tolist(), depth[where].tolist(), strict=True)}
 
 
+class _Wave:
+    """BlockStored events whose router hashes one vectorised call computes: runs of blocks,
+    each chained from a parent known before the wave or continuing the run before it."""
+
+    __slots__ = ("_extra", "block_size", "engine", "extras", "lengths", "parents", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.engine: list[EngineBlockHash] = []  # the engine's hashes of the blocks, in order
+        self.parents: list[int] = []  # per run: the router hash it chains from
+        self.lengths: list[int] = []  # per run: its blocks
+        self.extras: list[int] = []  # per run: route_extra of its extra key
+        self.block_size = 0
+        self._extra = b""
+
+    def __bool__(self) -> bool:
+        return bool(self.lengths)
+
+    def continues(self, event: BlockStored, extra: bytes) -> bool:
+        """Whether the event chains from the last block of the wave's last run."""
+        return (
+            bool(self.engine)
+            and event.parent_block_hash == self.engine[-1]
+            and event.parent_block_hash is not None
+            and event.block_size == self.block_size
+            and extra == self._extra
+        )
+
+    def extend(self, event: BlockStored) -> None:
+        self.tokens += event.token_ids
+        self.engine += event.block_hashes
+        self.lengths[-1] += len(event.block_hashes)
+
+    def start(self, event: BlockStored, parent: int, extra: bytes) -> None:
+        self.block_size = event.block_size
+        self._extra = extra
+        self.tokens += event.token_ids
+        self.engine += event.block_hashes
+        self.parents.append(parent)
+        self.lengths.append(len(event.block_hashes))
+        self.extras.append(route_extra(extra))
+
+
 class KvIndexer:
     """Router block hash -> workers holding it, and per worker its blocks, from KV events."""
 
@@ -200,26 +246,11 @@ class KvIndexer:
 
     def _apply_stored(self, worker_id: str, events: list[BlockStored]) -> None:
         """Re-hash the events' blocks (chained from their parents' router hashes) and store
-        them all at once; an event whose parent is unknown or whose sizes disagree is skipped."""
-        router_of = self._held_of(worker_id).router_of
-        run: dict[EngineBlockHash, int] = {}  # engine -> router hash of this run's blocks
-        engine: list[EngineBlockHash] = []
-        router: list[int] = []
+        them, the whole batch in one vectorised hash where the parents allow; an event whose
+        parent is unknown or whose sizes disagree is skipped."""
+        self._held_of(worker_id)  # a worker is known from its first event on
+        wave = _Wave()
         for event in events:
-            parent = event.parent_block_hash
-            router_parent = None
-            if parent is not None:
-                router_parent = run.get(parent)
-                if router_parent is None:
-                    router_parent = router_of.get(parent)
-                if router_parent is None and self._peer is not None:
-                    peer = self._peer._held.get(worker_id)
-                    router_parent = None if peer is None else peer.router_of.get(parent)
-                if router_parent is None:
-                    log.debug(
-                        "worker %s: stored blocks after an unknown parent: skipped", worker_id
-                    )
-                    continue
             size = event.block_size
             if size <= 0 or len(event.token_ids) != size * len(event.block_hashes):
                 log.debug(
@@ -230,14 +261,44 @@ class KvIndexer:
                     size,
                 )
                 continue
-            hashes = hash_blocks(
-                event.token_ids, size, extra_key(event.lora_id), parent=router_parent
-            )
-            run.update(zip(event.block_hashes, hashes, strict=True))
-            engine += event.block_hashes
-            router += hashes
-        if router:
-            self.store(worker_id, router, engine)
+            parent = event.parent_block_hash
+            extra = extra_key(event.lora_id)
+            if wave.continues(event, extra):
+                wave.extend(event)
+                continue
+            router_parent = ROUTE_ROOT if parent is None else self._router_parent(worker_id, parent)
+            if router_parent is None and wave:  # its parent may be in the wave: store that
+                self._store_wave(worker_id, wave)
+                wave = _Wave()
+                router_parent = self._router_parent(worker_id, parent)
+            if router_parent is None:
+                log.debug("worker %s: stored blocks after an unknown parent: skipped", worker_id)
+                continue
+            if wave and size != wave.block_size:
+                self._store_wave(worker_id, wave)
+                wave = _Wave()
+            wave.start(event, router_parent, extra)
+        if wave:
+            self._store_wave(worker_id, wave)
+
+    def _router_parent(self, worker_id: str, parent: EngineBlockHash) -> int | None:
+        """The router hash of a worker's engine block, from either tier's index."""
+        held = self._held.get(worker_id)
+        found = None if held is None else held.router_of.get(parent)
+        if found is None and self._peer is not None:
+            peer = self._peer._held.get(worker_id)
+            found = None if peer is None else peer.router_of.get(parent)
+        return found
+
+    def _store_wave(self, worker_id: str, wave: _Wave) -> None:
+        hashes = route_hash_runs(
+            token_array(wave.tokens),
+            wave.block_size,
+            np.array(wave.parents, np.uint64),
+            np.array(wave.lengths),
+            np.array(wave.extras, np.uint64) if any(wave.extras) else None,
+        )
+        self.store(worker_id, hashes.tolist(), wave.engine)
 
     def store(
         self,
@@ -308,13 +369,11 @@ class KvIndexer:
         if self.lower is not None:
             self.lower.clear(worker_id)
 
-    def load_dump(self, worker_id: str, block_hashes: Iterable[int]) -> None:
-        """Replace all that is known of `worker_id` with exactly these blocks (a resync).
-
-        The hashes are kv_hash hashes, the engine's and the router's both (KVStateDump).
-        """
+    def load_dump(self, worker_id: str, events: Iterable[KVEvent]) -> None:
+        """Replace all that is known of `worker_id` with what these events store (a resync:
+        KVStateDump.events, each block's parent before it)."""
         self.clear(worker_id)
-        self.store(worker_id, list(dict.fromkeys(block_hashes)))
+        self.apply_batch(worker_id, events)
 
     def remove_worker(self, worker_id: str) -> None:
         self._forget(worker_id)
@@ -335,7 +394,9 @@ class KvIndexer:
         self.flush()
         if not len(block_hashes) or not self._table.live:
             return {}
-        if len(block_hashes) <= SHORT_PROMPT_BLOCKS and not isinstance(block_hashes, np.ndarray):
+        if len(block_hashes) <= SHORT_PROMPT_BLOCKS:
+            if isinstance(block_hashes, np.ndarray):
+                block_hashes = block_hashes.tolist()
             return self._short_overlaps(block_hashes)
         ids = self._table.ids(_u64(block_hashes))
         missing = np.flatnonzero(ids < 0)

@@ -31,7 +31,9 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 
-from shoal.kv_hash import extra_key, hash_blocks
+import numpy as np
+
+from shoal.kv_hash import extra_key, route_hashes
 from shoal.protocol import (
     KV_EVENTS_TOPIC,
     KV_STATE_ENDPOINT,
@@ -203,7 +205,7 @@ class KvRouter(Policy):
         t0 = time.perf_counter()
         prompt = request.prompt_token_ids
         block_size = instances[0].card.kv_block_size if instances[0].card else self.load.block_size
-        hashes = hash_blocks(prompt, block_size, extra_key(request.lora_id))
+        hashes = route_hashes(prompt, block_size, extra_key(request.lora_id))
         t1 = time.perf_counter()
         by_id = {i.instance_id: i for i in instances}
         candidates = free_workers(list(by_id), self.load, self.config)
@@ -236,7 +238,7 @@ class KvRouter(Policy):
                 )
             )
         if isinstance(self.indexer, ApproxIndexer):
-            self.indexer.record(worker, hashes, prompt_blocks)
+            self.indexer.record(worker, hashes.tolist(), prompt_blocks)
         t2 = time.perf_counter()
         m = self.metrics
         m.routed.inc()
@@ -246,7 +248,7 @@ class KvRouter(Policy):
         m.select_seconds.observe(t2 - t1)
         return by_id[worker]
 
-    def _lower_tier_overlaps(self, hashes: list[int], overlaps: dict[str, int]) -> dict[str, int]:
+    def _lower_tier_overlaps(self, hashes: np.ndarray, overlaps: dict[str, int]) -> dict[str, int]:
         """Per worker whose lower tiers extend its GPU prefix hit, its prefix in all tiers."""
         if not self.lower_tier_credit or not isinstance(self.indexer, KvIndexer):
             return {}
@@ -323,7 +325,7 @@ class KvRouter(Policy):
                 return
         if self._feeds.get(worker) is not feed:
             return
-        self.indexer.load_dump(worker, dump.block_hashes)
+        self.indexer.load_dump(worker, dump.events)
         feed.seq = dump.seq
         pending, feed.pending, feed.resync = feed.pending, [], None
         for seq, batch in pending:

@@ -3,21 +3,84 @@
 Everything here runs in the engine thread (after a step, or through AsyncLLM.call), so the
 block pool is never read while a step changes it, and a dump's `seq` is exactly the last
 KV batch it includes.
+
+A router keys its index on its own hash of each stored block's tokens, so a dump gives
+every cached block as a BlockStored with its tokens and parent. The engine keeps no tokens
+for its cached blocks; the publisher does, as references to the events that stored them
+(CachedBlocks), kept up to date from the events it sends.
 """
 
 from __future__ import annotations
 
 import time
+from itertools import count, repeat
 
 from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import (
     KV_EVENTS_TOPIC,
     LOAD_TOPIC,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineBlockHash,
+    KVEvent,
     KVEventBatch,
     KVStateDump,
     LoadReport,
 )
 from shoal.runtime.event_plane import EventPublisher
+
+
+class CachedBlocks:
+    """The blocks an engine's KV events say it caches in GPU memory, each as the event that
+    stored it and its place there, in the order they were stored."""
+
+    def __init__(self) -> None:
+        self._origin: dict[EngineBlockHash, tuple[BlockStored, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._origin)
+
+    def apply(self, events: list[KVEvent]) -> None:
+        origin = self._origin
+        for event in events:
+            if type(event) is BlockStored:
+                if event.medium in (None, MEDIUM_GPU):
+                    origin.update(
+                        zip(event.block_hashes, zip(repeat(event), count()), strict=False)
+                    )
+            elif type(event) is BlockRemoved:
+                if event.medium in (None, MEDIUM_GPU):
+                    for block_hash in event.block_hashes:
+                        origin.pop(block_hash, None)
+            elif type(event) is AllBlocksCleared:
+                origin.clear()
+
+    def as_events(self) -> list[BlockStored]:
+        """Every block as BlockStored events, parents first; a run of blocks one event stored
+        together, still cached together, stays one event."""
+        runs: list[tuple[BlockStored, int, int]] = []  # (event, first block, end)
+        for event, i in self._origin.values():
+            if runs and runs[-1][0] is event and runs[-1][2] == i:
+                runs[-1] = (event, runs[-1][1], i + 1)
+            else:
+                runs.append((event, i, i + 1))
+        out = []
+        for event, first, end in runs:
+            size = event.block_size
+            out.append(
+                BlockStored(
+                    block_hashes=event.block_hashes[first:end],
+                    parent_block_hash=event.block_hashes[first - 1]
+                    if first
+                    else event.parent_block_hash,
+                    token_ids=event.token_ids[first * size : end * size],
+                    block_size=size,
+                    lora_id=event.lora_id,
+                )
+            )
+        return out
 
 
 class KVPublisher:
@@ -37,11 +100,13 @@ class KVPublisher:
         self._publisher = EventPublisher(host, advertise_host=advertise_host, secret=secret)
         self.address = self._publisher.address
         self.seq = 0  # the frame sequence number of the last KV event batch sent (from 1)
+        self.cached = CachedBlocks()
 
     def publish_events(self, engine: LLMEngine) -> None:
         """Send the KV events of the steps since the last call as one batch (if any)."""
         events = engine.take_kv_events()
         if events:
+            self.cached.apply(events)
             batch = KVEventBatch(ts=time.time(), events=events)
             self.seq = self._publisher.publish(KV_EVENTS_TOPIC, batch)
 
@@ -55,7 +120,7 @@ class KVPublisher:
             worker_id=self.worker_id,
             seq=self.seq,
             block_size=engine.kv.block_size,
-            block_hashes=engine.kv.cached_block_hashes(),
+            events=self.cached.as_events(),
         )
 
     def close(self) -> None:

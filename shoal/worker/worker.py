@@ -199,7 +199,7 @@ class Worker:
         log.info(
             "KV state dump for a router (%s): %d blocks at seq %d",
             request.reason,
-            len(dump.block_hashes),
+            sum(len(e.block_hashes) for e in dump.events),
             dump.seq,
         )
         yield dump

@@ -3,17 +3,17 @@ prefers a GPU hit to a host-tier hit, and a host-tier hit to a miss."""
 
 from __future__ import annotations
 
-from shoal.kv_hash import hash_blocks
+from shoal.kv_hash import route_hashes
 from shoal.protocol import BlockRemoved, BlockStored, EngineRequest, InstanceRecord, SamplingParams
 from shoal.router.indexer import KvIndexer
 from shoal.router.kv_router import KvRouter
 
 PROMPT = list(range(100, 164))  # 4 blocks of 16
-HASHES = hash_blocks(PROMPT, 16)
+HASHES = route_hashes(PROMPT, 16).tolist()
 
 
 def stored(first: int, last: int, medium: str) -> BlockStored:
-    """Blocks first..last-1 of PROMPT stored in `medium` (engine hashes = kv_hash's)."""
+    """Blocks first..last-1 of PROMPT stored in `medium` (named by the router's hashes)."""
     return BlockStored(
         block_hashes=HASHES[first:last],
         parent_block_hash=HASHES[first - 1] if first else None,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from overlap_reference import leading_overlaps
 
-from shoal.kv_hash import hash_blocks
+from shoal.kv_hash import route_hashes
 from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored
 from shoal.router import indexer
 from shoal.router.block_table import BlockTable
@@ -19,6 +19,11 @@ from shoal.router.indexer import KvIndexer
 
 BLOCK = 4
 TIERS = ("GPU", "CPU")
+
+
+def hash_blocks(tokens, block_size, parent=None) -> list[int]:
+    """The router's hashes of the full blocks of `tokens`."""
+    return route_hashes(tokens, block_size, parent=parent).tolist()
 
 
 def test_block_table_matches_a_dict_through_growth_and_tombstones():

@@ -14,8 +14,9 @@ import pytest
 
 from shoal.frontend.engine_client import NoWorkerAvailable
 from shoal.frontend.worker_client import WorkerClient
-from shoal.kv_hash import hash_blocks
+from shoal.kv_hash import route_hashes
 from shoal.protocol import EngineRequest, SamplingParams
+from shoal.router.indexer import KvIndexer
 from shoal.router.kv_router import KvRouter
 from shoal.router.selector import KvRouterConfig
 from shoal.runtime.distributed import DistributedRuntime
@@ -108,7 +109,7 @@ def test_requests_follow_their_cached_prefix(workers):
             shared = prompt_of(1, 4 * BLOCK)
             await generate(client, "first", [*shared, 5])
             holder = chosen[0]
-            hashes = hash_blocks(shared, BLOCK)
+            hashes = route_hashes(shared, BLOCK)
             # The engine's BlockStored hashes are the router's hashes of the same token ids.
             await wait_for(lambda: router.indexer.overlaps(hashes).get(holder) == 4)
             assert router.indexer.overlaps(hashes) == {holder: 4}
@@ -138,7 +139,7 @@ def test_approximate_mode_remembers_where_it_sent_prefixes(workers):
                 cached, _ = await generate(client, f"approx-{i}", shared + prompt_of(20 + i, 7))
                 assert cached == (0 if i == 0 else 3 * BLOCK)
             assert len(set(chosen)) == 1
-            assert client.policy.indexer.overlaps(hash_blocks(shared, BLOCK)) == {chosen[0]: 3}
+            assert client.policy.indexer.overlaps(route_hashes(shared, BLOCK)) == {chosen[0]: 3}
         finally:
             await close_client(client)
 
@@ -193,7 +194,7 @@ def test_a_gap_in_event_numbers_triggers_a_resync(workers):
             await generate(client, "lost", prompt_of(4, 5 * BLOCK))
             worker = chosen[0]
             await wait_for(lambda: dropped)
-            assert router.indexer.overlaps(hash_blocks(prompt_of(4, 5 * BLOCK), BLOCK)) == {}
+            assert router.indexer.overlaps(route_hashes(prompt_of(4, 5 * BLOCK), BLOCK)) == {}
             # The next batch from that worker shows the gap; the router fetches a dump.
             before = router.metrics.resyncs.labels("gap")._value.get()
             client.policy.select = lambda instances, request: next(
@@ -204,8 +205,11 @@ def test_a_gap_in_event_numbers_triggers_a_resync(workers):
             feed = router._feeds[worker]
             await wait_for(lambda: feed.resync is None)
             truth = await router._fetch_dump(feed.record, "test")
-            await wait_for(lambda: router.indexer.blocks(worker) >= set(truth.block_hashes))
-            lost = hash_blocks(prompt_of(4, 5 * BLOCK), BLOCK)
+            rebuilt = KvIndexer()  # the dump's blocks, re-hashed as the router does
+            rebuilt.load_dump(worker, truth.events)
+            assert rebuilt.num_blocks(worker) >= 10
+            await wait_for(lambda: router.indexer.blocks(worker) >= rebuilt.blocks(worker))
+            lost = route_hashes(prompt_of(4, 5 * BLOCK), BLOCK)
             assert router.indexer.overlaps(lost) == {worker: 5}
         finally:
             await close_client(client)

@@ -1,7 +1,7 @@
 """KvIndexer: unit cases, then random event streams checked against a brute-force model.
 
-The events come from an "engine" whose block hashes are not kv_hash's (kv_hash XOR a mask,
-or bytes): the index must key on its own hash of each block's token ids.
+The events come from an "engine" whose block hashes are not the router's (the router's XOR
+a mask, or bytes): the index must key on its own hash of each block's token ids.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from overlap_reference import leading_overlaps
 
-from shoal.kv_hash import extra_key, hash_blocks
+from shoal.kv_hash import extra_key, route_hashes
 from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from shoal.router.indexer import KvIndexer
 
@@ -22,7 +22,7 @@ MASK = 0x9E3779B97F4A7C15
 
 
 def chain(tokens: Sequence[int]) -> list[int]:
-    return hash_blocks(tokens, BLOCK)
+    return route_hashes(tokens, BLOCK).tolist()
 
 
 def engine(h: int) -> int:
@@ -93,7 +93,7 @@ def test_bytes_hashes_and_lora_blocks():
     assert index.overlaps(H) == {"a": 1}
     index.apply("b", stored(T, 0, 2, lora_id=7))
     assert index.overlaps(H) == {"a": 1}
-    assert index.overlaps(hash_blocks(T, BLOCK, extra_key(7))) == {"b": 2}
+    assert index.overlaps(route_hashes(T, BLOCK, extra_key(7))) == {"b": 2}
 
 
 def test_other_tiers_and_malformed_events_are_ignored():
@@ -147,20 +147,15 @@ def test_load_dump_replaces_what_is_known_of_the_worker():
     index = KvIndexer()
     index.apply("a", stored(T, 0, 5))
     index.apply("b", stored(T, 0, 5))
-    index.load_dump("a", [H[0], H[1], H[7]])
-    assert index.blocks("a") == {H[0], H[1], H[7]}
+    index.load_dump("a", [stored(T, 0, 2), stored(T, 7, 8)])  # block 7's parent is unknown
+    assert index.blocks("a") == {H[0], H[1]}
     assert index.overlaps(H) == {"a": 2, "b": 5}
-    index.load_dump("c", H[:1])
+    index.load_dump("c", [stored(T, 0, 1)])
     assert index.overlaps(H) == {"a": 2, "b": 5, "c": 1}
-    # A dump's hashes are the (shoal) engine's too: later events chain from and remove them.
-    index.apply(
-        "c",
-        BlockStored(
-            block_hashes=[H[1]], parent_block_hash=H[0], token_ids=T[4:8], block_size=BLOCK
-        ),
-    )
+    # Later events chain from and remove the dump's blocks by their engine names.
+    index.apply("c", stored(T, 1, 2))
     assert index.overlaps(H[:3]) == {"a": 2, "b": 3, "c": 2}
-    index.apply("c", BlockRemoved(block_hashes=[H[0]]))
+    index.apply("c", removed([H[0]]))
     assert "c" not in index.overlaps(H)
 
 
@@ -257,10 +252,15 @@ def test_random_event_streams_match_the_model(seed):
     for step in range(1500):
         worker = rng.choice(workers)
         roll = rng.random()
-        if roll < 0.01:  # a dump names blocks by kv_hash, for the engine as for the router
-            dump = {h for seq in rng.sample(sequences, 5) for h in chain(seq) if rng.random() < 0.7}
+        if roll < 0.01:  # a dump: whole prefixes, as stored events
+            dump = [
+                stored(seq, 0, rng.randint(1, len(seq) // BLOCK))
+                for seq in rng.sample(sequences, 5)
+            ]
             index.load_dump(worker, dump)
-            model.pairs[worker] = {h: h for h in dump}
+            model.pairs[worker] = {}
+            for event in dump:
+                model.apply(worker, event, chain(event.token_ids))
         elif roll < 0.015:
             index.remove_worker(worker)
             model.pairs.pop(worker, None)

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import zmq
 
-from shoal.kv_hash import hash_blocks
+from shoal.kv_hash import route_hashes
 from shoal.protocol import (
     GENERATE_ENDPOINT,
     KV_EVENTS_TOPIC,
@@ -146,11 +146,11 @@ def test_router_indexes_a_vllm_workers_events(hash_kind):
     rng = random.Random(13)
     prompt = [rng.randrange(1, 32000) for _ in range(6 * BLOCK + 5)]
     names = engine_hashes(hash_kind, 6, rng)  # the engine's names for the prompt's 6 blocks
-    mine = hash_blocks(prompt, BLOCK)  # the router's
+    mine = route_hashes(prompt, BLOCK)  # the router's
 
     async def dump(request: KVStateRequest) -> AsyncIterator[KVStateDump]:
         # The worker's state before its first batch: none sent (vLLM numbers from 0).
-        yield KVStateDump(worker_id="vllm-0", seq=-1, block_size=BLOCK, block_hashes=[])
+        yield KVStateDump(worker_id="vllm-0", seq=-1, block_size=BLOCK, events=[])
 
     async def generate(request: EngineRequest) -> AsyncIterator[EngineOutput]:
         raise AssertionError("the test only routes")
@@ -197,7 +197,7 @@ def test_router_indexes_a_vllm_workers_events(hash_kind):
             assert router.select(client.instances(), request).instance_id == "vllm-0"
             assert router.metrics.cached_blocks._value.get() == 6
             router.finished("r")
-            other = hash_blocks([prompt[0] + 1, *prompt[1:]], BLOCK)
+            other = route_hashes([prompt[0] + 1, *prompt[1:]], BLOCK)
             assert router.indexer.overlaps(other) == {}
 
             pub.publish(BlockRemoved([names[4]], "GPU"))

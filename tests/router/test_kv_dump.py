@@ -1,0 +1,73 @@
+"""A worker's KV dump (CachedBlocks): the blocks its engine's events leave cached, given back
+as BlockStored events with their tokens, rebuild in a fresh router index exactly what
+following every event built."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.request import Request
+from shoal.kv_hash import extra_key
+from shoal.protocol import BlockRemoved, BlockStored, SamplingParams
+from shoal.router.indexer import KvIndexer
+from shoal.worker.kv_publisher import CachedBlocks
+
+BLOCK = 4
+
+
+def serve(kv: KVCacheManager, request: Request, output: int) -> None:
+    """Prefill and decode `output` tokens, caching every full block, then free."""
+    computed, hit_tokens = kv.get_computed_blocks(request)
+    if not kv.allocate_slots(request, request.num_tokens - hit_tokens, computed):
+        return
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_blocks(request)
+    for token in range(output):
+        request.append_token(token + 7)
+        if not kv.allocate_slots(request, 1):
+            break
+        request.num_computed_tokens += 1
+        kv.cache_blocks(request)
+    kv.free(request)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_dump_rebuilds_what_the_events_built(seed):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(4, 500) for _ in range(BLOCK * rng.randint(1, 6))] for _ in range(8)]
+    kv = KVCacheManager(num_blocks=48, block_size=BLOCK)  # small: blocks get evicted
+    cached, followed = CachedBlocks(), KvIndexer()
+    for i in range(200):
+        lora = rng.choice([None, None, 3])
+        prompt = rng.choice(prefixes) + [rng.randrange(4, 500) for _ in range(rng.randint(1, 9))]
+        request = Request(
+            f"r{i}",
+            prompt,
+            SamplingParams(),
+            frozenset(),
+            8,
+            extra_key=extra_key(lora) if lora else b"",
+            lora_id=lora,
+        )
+        serve(kv, request, rng.randint(0, 6))
+        events = kv.take_events()
+        cached.apply(events)
+        followed.apply_batch("w", events)
+        if i % 70 == 69:
+            kv.reset_prefix_cache()  # AllBlocksCleared
+            events = kv.take_events()
+            cached.apply(events)
+            followed.apply_batch("w", events)
+    assert len(cached) == len(kv.cached_block_hashes()) > 10
+    dump = cached.as_events()
+    assert all(type(e) is BlockStored for e in dump)
+    assert sum(len(e.block_hashes) for e in dump) == len(cached)
+    rebuilt = KvIndexer()
+    rebuilt.load_dump("w", dump)
+    assert set(rebuilt.blocks("w")) == set(followed.blocks("w"))
+    # the rebuilt index reads the engine's names: removing every block empties it
+    rebuilt.apply("w", BlockRemoved(block_hashes=kv.cached_block_hashes()))
+    assert rebuilt.num_blocks("w") == 0
