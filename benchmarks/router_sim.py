@@ -607,6 +607,7 @@ def main() -> int:
             "trace": args.trace.name,
             "rows": args.rows,
             "num_requests": len(entries),
+            "reusable_block_share": reusable_block_share(entries),
             "input_scale": args.input_scale,
             "output_scale": args.output_scale,
         }
@@ -693,6 +694,24 @@ def main() -> int:
         plot(rows, png)
         print(f"drawn in {png}")
     return 0
+
+
+def reusable_block_share(entries: list[TraceEntry]) -> float:
+    """The share of the trace's blocks that continue a prefix an earlier request of the same
+    rows had: the KV hit rate of a router with unbounded caches that always knew where each
+    prefix was. No router can save more prefill than this, so kv's gain over a router that
+    saves none is at most 1 / (1 - share) where prefill is all the work."""
+    seen: set[int] = set()
+    reusable = total = 0
+    for entry in entries:
+        blocks = entry.hash_ids
+        depth = 0
+        while depth < len(blocks) and blocks[depth] in seen:
+            depth += 1
+        reusable += depth
+        total += len(blocks)
+        seen.update(blocks)
+    return reusable / max(1, total)
 
 
 def record(rows: list[dict], skip: bool) -> None:

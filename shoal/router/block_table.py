@@ -73,12 +73,12 @@ class BlockTable:
         pos = self._home(keys)
         found = np.full(len(keys), -1, np.intp)
         todo = np.arange(len(keys))
-        if len(keys) > _ONE_PROBE_FIRST:
+        while len(todo) > _ONE_PROBE_FIRST:
             ids = self._ids[pos]
             hit = (self._keys[pos] == keys) & (ids >= 0)
-            found[hit] = pos[hit]
-            todo = np.flatnonzero(~hit & (ids != EMPTY))
-            keys, pos = keys[todo], pos[todo] + 1
+            found[todo[hit]] = pos[hit]
+            go_on = ~hit & (ids != EMPTY)
+            todo, keys, pos = todo[go_on], keys[go_on], (pos[go_on] + 1) & self._mask
         while len(todo):
             window = (pos[:, None] + _WINDOW) & self._mask
             ids = self._ids[window]
