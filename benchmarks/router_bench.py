@@ -21,6 +21,13 @@ this CPU can compute. Only config.json and the tokenizer of --model are read; wi
     .venv/bin/python benchmarks/router_bench.py            # everything, ~10 minutes
     .venv/bin/python benchmarks/router_bench.py --workloads shared-prefix --modes round-robin,kv
     .venv/bin/python benchmarks/router_bench.py --workloads mooncake --rows 1500:3000 --repeats 3
+    .venv/bin/python benchmarks/router_bench.py --workloads mooncake --modes kv \
+        --api-server-count 4
+
+--api-server-count N runs N frontend processes on the one port (`shoal serve
+--api-server-count`), each with its own router; the kernel spreads the client's connections
+over them, and with replica sync (shoal serve's default) their routers share their
+decisions. Each record names its frontend count.
 """
 
 from __future__ import annotations
@@ -165,13 +172,23 @@ def tiny_model_dir(folder: Path) -> Path:
 
 
 @contextmanager
-def serve(model: Path, mode: str, workers: int, kv_blocks: int, speedup: float, log: Path):
-    """`shoal serve` with mocker workers; yields its URL once every worker is up."""
+def serve(
+    model: Path,
+    mode: str,
+    workers: int,
+    kv_blocks: int,
+    speedup: float,
+    log: Path,
+    api_server_count: int = 1,
+):
+    """`shoal serve` with mocker workers (and `api_server_count` frontends); yields its URL
+    once every worker is up."""
     port = free_port()
     argv = [sys.executable, "-m", "shoal", "serve", "--model", str(model), "--engine", "mocker"]
     argv += ["--workers", str(workers), "--router-mode", mode, "--port", str(port)]
     argv += ["--num-gpu-blocks", str(kv_blocks), "--speedup", str(speedup)]
     argv += ["--served-model-name", "mock-8b", "--shutdown-timeout", "5"]
+    argv += ["--api-server-count", str(api_server_count)]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
@@ -334,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="live runs per workload and mode; the table gives the median and min..max",
     )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="frontend processes (each with its own router) serving the one port",
+    )
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "router_bench")
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     return p
@@ -359,6 +382,8 @@ def main() -> int:
         rows_range = parse_rows(args.rows)
         if args.repeats < 1:
             raise ValueError("--repeats must be at least 1")
+        if args.api_server_count < 1:
+            raise ValueError("--api-server-count must be at least 1")
     except ValueError as e:
         p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -368,6 +393,7 @@ def main() -> int:
         **provenance(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (mocker: 8B on H100 timing)",
         "workers": args.workers,
+        "api_server_count": args.api_server_count,
     }
     runs, rows = [], []
     for name in args.workloads.split(","):
@@ -387,7 +413,15 @@ def main() -> int:
                 print(f"-- {name} / {mode} / run {repeat + 1} of {args.repeats}", flush=True)
                 speedup = args.speedup * workload.mocker_speedup
                 log = out / "serve.log"
-                with serve(model, mode, args.workers, workload.kv_blocks, speedup, log) as url:
+                with serve(
+                    model,
+                    mode,
+                    args.workers,
+                    workload.kv_blocks,
+                    speedup,
+                    log,
+                    args.api_server_count,
+                ) as url:
                     summary = run_bench(url, model, bench_args, out, seed=repeat)
                 mode_runs.append(
                     {
