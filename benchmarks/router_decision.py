@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import provenance
 
-from shoal.kv_hash import hash_blocks, route_hash_runs, route_hashes, token_array
+from shoal.kv_hash import hash_blocks, route_hash_runs, route_hashes
 from shoal.protocol import (
     BlockRemoved,
     BlockStored,
@@ -126,7 +126,7 @@ def rehash_rate(stored: list[tuple[str, list[BlockStored]]]) -> float:
         tokens: list[int] = []
         for event in events:
             tokens += event.token_ids
-        route_hash_runs(token_array(tokens), BLOCK, parents, lengths)
+        route_hash_runs(tokens, BLOCK, parents, lengths)
     return len(sample) * per_prefix / (time.perf_counter() - t0)
 
 

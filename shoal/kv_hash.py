@@ -151,39 +151,54 @@ def route_extra(extra: bytes) -> int:
     return xxhash.xxh3_64_intdigest(extra, HASH_SEED) if extra else 0
 
 
-def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a uint32 array (no copy if they are one already)."""
+_CHUNK_BLOCKS = 1024  # blocks hashed per pass: its arrays stay in cache and on reused pages
+
+
+def _uint32(token_ids: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
+    """The first `count` token ids as a little-endian uint32 array."""
     if isinstance(token_ids, np.ndarray):
-        return token_ids.astype(np.uint32, copy=False)
+        return token_ids[:count].astype("<u4", copy=False)
     buf = array("I", token_ids)
     if byteorder != "little":
         buf.byteswap()
-    return np.frombuffer(buf, "<u4")
+    return np.frombuffer(buf, "<u4")[:count]
+
+
+def _content(token_ids: Sequence[int] | np.ndarray, n: int, block_size: int) -> np.ndarray:
+    """Each of the first n full blocks' keyed multiply-xorshift sum, a chunk of blocks at a
+    time (a long prompt's temporaries in one piece would each be fresh pages, faulted in on
+    every call: on the H100 host that cost three times the arithmetic)."""
+    paired = block_size % 2 == 0
+    width = block_size // 2 if paired else block_size
+    keys = _word_keys.get(width)
+    if keys is None:
+        keys = _word_keys[width] = _splitmix64(HASH_SEED, width)
+    tokens = _uint32(token_ids, n * block_size)
+    words = tokens.view("<u8") if paired else tokens
+    content = np.empty(n, np.uint64)
+    for first in range(0, n, _CHUNK_BLOCKS):
+        last = min(n, first + _CHUNK_BLOCKS)
+        chunk = words[first * width : last * width].reshape(last - first, width)
+        mixed = chunk * keys  # uint64 (a uint32 chunk is widened by the uint64 keys)
+        mixed ^= mixed >> _S32
+        mixed.sum(axis=1, dtype=np.uint64, out=content[first:last])
+    return content
 
 
 def route_hash_runs(
-    tokens: np.ndarray,
+    token_ids: Sequence[int] | np.ndarray,
     block_size: int,
     parents: np.ndarray,
     lengths: np.ndarray,
     extras: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Router hashes of consecutive runs of full blocks laid end to end in `tokens` (uint32):
-    run k has lengths[k] blocks chained from parents[k] (a router hash, or ROUTE_ROOT), its
-    content mixed with extras[k] (route_extra; none if None). One uint64 per block."""
+    """Router hashes of consecutive runs of full blocks laid end to end in `token_ids`: run k
+    has lengths[k] blocks chained from parents[k] (a router hash, or ROUTE_ROOT), its content
+    mixed with extras[k] (route_extra; none if None). One uint64 per block."""
     n = int(lengths.sum())
     if n == 0:
         return np.zeros(0, np.uint64)
-    if block_size % 2 == 0:
-        words = tokens[: n * block_size].view("<u8").reshape(n, block_size // 2)
-    else:
-        words = tokens[: n * block_size].astype(np.uint64).reshape(n, block_size)
-    keys = _word_keys.get(words.shape[1])
-    if keys is None:
-        keys = _word_keys[words.shape[1]] = _splitmix64(HASH_SEED, words.shape[1])
-    mixed = words * keys
-    mixed ^= mixed >> _S32
-    content = mixed.sum(axis=1, dtype=np.uint64)
+    content = _content(token_ids, n, block_size)
     if extras is not None:
         content ^= np.repeat(extras, lengths)
     _finalise(content)
@@ -207,10 +222,9 @@ def route_hashes(
 ) -> np.ndarray:
     """Router hashes (uint64) of every full block of token_ids, chained from `parent` (the
     router hash of the block before them; None: they start the sequence)."""
-    tokens = token_array(token_ids)
-    n = len(tokens) // block_size
+    n = len(token_ids) // block_size
     return route_hash_runs(
-        tokens,
+        token_ids,
         block_size,
         np.array([ROUTE_ROOT if parent is None else parent], np.uint64),
         np.array([n]),

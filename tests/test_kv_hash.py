@@ -17,7 +17,6 @@ from shoal.kv_hash import (
     route_extra,
     route_hash_runs,
     route_hashes,
-    token_array,
 )
 from shoal.protocol import SamplingParams
 from shoal.router.indexer import KvIndexer
@@ -146,7 +145,7 @@ def test_route_hash_runs_chain_each_run_from_its_parent():
     other_hashes = route_hashes(other, 16, extra_key(4)).tolist()
     lengths = np.array([10, 15, 5])
     got = route_hash_runs(
-        token_array(tokens[: 25 * 16] + other[3 * 16 : 8 * 16]),
+        tokens[: 25 * 16] + other[3 * 16 : 8 * 16],
         16,
         np.array([ROUTE_ROOT, whole[9], other_hashes[2]], np.uint64),
         lengths,

@@ -45,7 +45,7 @@ from operator import and_, is_not
 
 import numpy as np
 
-from shoal.kv_hash import ROUTE_ROOT, extra_key, route_extra, route_hash_runs, token_array
+from shoal.kv_hash import ROUTE_ROOT, extra_key, route_extra, route_hash_runs
 from shoal.protocol import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -127,20 +127,22 @@ def _masks(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return columns >> 6, np.left_shift(np.uint64(1), (columns & 63).astype(np.uint64))
 
 
-def _leading(rows: np.ndarray, columns: _Columns) -> dict[str, int]:
-    """Per worker whose bit is set in the first row, how many leading rows all have it.
+def _leading(words: list[np.ndarray], columns: _Columns) -> dict[str, int]:
+    """Per worker whose bit is set in the first row, how many leading rows all have it; the
+    rows come as one array per mask word (column-wise: a long prompt's rows in one piece
+    would be fresh pages on every call).
 
     The rows are ANDed cumulatively; at each row where the running mask changes, the bits
     it loses are unpacked in one call, so no Python step is taken per row or per change."""
-    if not len(rows):
+    if not len(words[0]):
         return {}
-    acc = np.bitwise_and.accumulate(rows, axis=0)
-    changed = acc[1:, 0] != acc[:-1, 0]
-    for word in range(1, acc.shape[1]):  # word by word: faster than any() across a row
-        changed |= acc[1:, word] != acc[:-1, word]
+    acc = [np.bitwise_and.accumulate(word) for word in words]
+    changed = acc[0][1:] != acc[0][:-1]
+    for word in acc[1:]:
+        changed |= word[1:] != word[:-1]
     changes = np.flatnonzero(changed)
-    lost = np.concatenate([acc[changes] & ~acc[changes + 1], acc[-1:]])
-    depth = np.append(changes + 1, len(rows))
+    lost = np.stack([np.append(a[changes] & ~a[changes + 1], a[-1]) for a in acc], axis=1)
+    depth = np.append(changes + 1, len(acc[0]))
     bits = np.unpackbits(lost.astype("<u8", copy=False).view(np.uint8), axis=1, bitorder="little")
     where, column = np.nonzero(bits)
     names = columns.names
@@ -292,7 +294,7 @@ class KvIndexer:
 
     def _store_wave(self, worker_id: str, wave: _Wave) -> None:
         hashes = route_hash_runs(
-            token_array(wave.tokens),
+            wave.tokens,
             wave.block_size,
             np.array(wave.parents, np.uint64),
             np.array(wave.lengths),
@@ -401,7 +403,8 @@ class KvIndexer:
         ids = self._table.ids(_u64(block_hashes))
         missing = np.flatnonzero(ids < 0)
         depth = int(missing[0]) if len(missing) else len(ids)
-        return _leading(self._bits[ids[:depth]], self._columns)
+        ids = ids[:depth]
+        return _leading([self._bits[ids, w] for w in range(self._bits.shape[1])], self._columns)
 
     def _short_overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """overlaps() for a short prompt, where numpy's cost per call would dominate: ids
@@ -440,7 +443,8 @@ class KvIndexer:
             return {}
         keys = _u64(block_hashes)
         words = self._columns.words
-        deep = _leading(self._rows(keys, words) | lower._rows(keys, words), self._columns)
+        rows = self._rows(keys, words) | lower._rows(keys, words)
+        deep = _leading([rows[:, w] for w in range(words)], self._columns)
         return {w: d for w, d in deep.items() if d > gpu.get(w, 0)}
 
     def blocks(self, worker_id: str) -> Set[int]:

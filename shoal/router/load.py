@@ -11,14 +11,14 @@ generated tokens); see LoadTracker.report for how the two are combined.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from shoal.protocol import LoadReport
 
 
 @dataclass(slots=True)
-class _WorkerLoad:
+class WorkerLoad:
     blocks: int = 0  # predicted active KV blocks of the requests counted here
     prefill_tokens: int = 0  # uncached prompt tokens of those requests not yet prefilled
     queued: int = 0  # those requests without their first token yet
@@ -29,13 +29,13 @@ class _WorkerLoad:
 
 @dataclass(slots=True)
 class _Request:
-    load: _WorkerLoad
+    load: WorkerLoad
     blocks: int
     prefill_tokens: int
     queued: bool = True  # no first token yet
 
 
-_UNKNOWN = _WorkerLoad()  # what a worker never routed to nor heard from looks like; never mutated
+_UNKNOWN = WorkerLoad()  # what a worker never routed to nor heard from looks like; never mutated
 
 
 class LoadTracker:
@@ -46,7 +46,7 @@ class LoadTracker:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._workers: dict[str, _WorkerLoad] = {}
+        self._workers: dict[str, WorkerLoad] = {}
         self._requests: dict[Hashable, _Request] = {}
         self._watchers: list[Callable[[], None]] = []
 
@@ -77,7 +77,7 @@ class LoadTracker:
         are keyed (replica id, request id).
         """
         self.finish(request_id)
-        load = self._workers.setdefault(worker_id, _WorkerLoad())
+        load = self._workers.setdefault(worker_id, WorkerLoad())
         load.blocks += blocks
         load.prefill_tokens += prefill_tokens
         load.queued += 1
@@ -107,7 +107,7 @@ class LoadTracker:
 
     def set_capacity(self, worker_id: str, total_blocks: int) -> None:
         """The worker's KV cache size, known before its first report (its model card)."""
-        load = self._workers.setdefault(worker_id, _WorkerLoad())
+        load = self._workers.setdefault(worker_id, WorkerLoad())
         load.total_blocks = total_blocks if total_blocks > 0 else None
 
     def report(self, report: LoadReport) -> None:
@@ -122,7 +122,7 @@ class LoadTracker:
         The waiting count and the cache size are taken as reported (a total of 0 means
         unknown).
         """
-        load = self._workers.setdefault(report.worker_id, _WorkerLoad())
+        load = self._workers.setdefault(report.worker_id, WorkerLoad())
         load.foreign = max(0, report.active_blocks - load.blocks)
         load.waiting = report.num_waiting
         self.set_capacity(report.worker_id, report.total_blocks)
@@ -144,6 +144,12 @@ class LoadTracker:
         """Active KV blocks on the worker: predicted for the requests counted here plus foreign."""
         load = self._workers.get(worker_id, _UNKNOWN)
         return load.blocks + load.foreign
+
+    def loads(self, worker_ids: Iterable[str]) -> list[WorkerLoad]:
+        """Each worker's running sums (read only; a worker never heard of reads as all 0):
+        what pricing many workers at once reads instead of one method call per term."""
+        get = self._workers.get
+        return [get(w, _UNKNOWN) for w in worker_ids]
 
     def waiting(self, worker_id: str) -> int:
         return self._workers.get(worker_id, _UNKNOWN).waiting

@@ -122,10 +122,27 @@ def cost(
     worker: str, prompt_blocks: int, cached: int, load: LoadTracker, config: KvRouterConfig
 ) -> float:
     """The module docstring's cost of sending the request to `worker`."""
-    new_blocks = prompt_blocks - cached  # to prefill; the cached ones are resident already
-    price = config.overlap_credit + config.queue_weight * load.queued(worker)
-    prefill = load.prefill_blocks(worker) + price * new_blocks
-    return config.prefill_load_scale * prefill + load.decode_blocks(worker) + new_blocks
+    return costs([worker], prompt_blocks, {worker: cached}, load, config)[0]
+
+
+def costs(
+    workers: Sequence[str],
+    prompt_blocks: int,
+    overlaps: Mapping[str, int],
+    load: LoadTracker,
+    config: KvRouterConfig,
+) -> list[float]:
+    """The module docstring's cost for each worker (`overlaps`: its cached leading blocks),
+    in one pass over the workers' running sums."""
+    scale, credit, weight = config.prefill_load_scale, config.overlap_credit, config.queue_weight
+    per_token = 1 / load.block_size
+    cached = overlaps.get
+    out = []
+    for w, held in zip(workers, load.loads(workers), strict=True):
+        new = prompt_blocks - cached(w, 0)  # to prefill; the cached ones are resident already
+        prefill = held.prefill_tokens * per_token + (credit + weight * held.queued) * new
+        out.append(scale * prefill + held.blocks + held.foreign + new)
+    return out
 
 
 def select_worker(
@@ -142,11 +159,11 @@ def select_worker(
     """
     if not workers:
         raise ValueError("no workers to choose from")
-    costs = [cost(w, prompt_blocks, overlaps.get(w, 0), load, config) for w in workers]
+    priced = costs(workers, prompt_blocks, overlaps, load, config)
     if config.temperature == 0:
-        best = min(costs)
-        return rng.choice([w for w, c in zip(workers, costs, strict=True) if c == best])
-    return rng.choices(workers, weights=softmax_weights(costs, config.temperature))[0]
+        best = min(priced)
+        return rng.choice([w for w, c in zip(workers, priced, strict=True) if c == best])
+    return rng.choices(workers, weights=softmax_weights(priced, config.temperature))[0]
 
 
 def softmax_weights(costs: Sequence[float], temperature: float) -> list[float]:
