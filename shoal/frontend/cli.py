@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -304,7 +305,11 @@ async def _serve_api_server(args: argparse.Namespace, discovery: str) -> None:
     orphaned = asyncio.Event()
 
     def wait_for_eof() -> None:
-        sys.stdin.buffer.read()
+        # os.read, not sys.stdin's buffered reader: a daemon thread blocked inside that
+        # reader holds its lock, and interpreter shutdown then aborts on it
+        fd = sys.stdin.fileno()
+        while os.read(fd, 65536):
+            pass
         loop.call_soon_threadsafe(orphaned.set)
 
     threading.Thread(target=wait_for_eof, daemon=True).start()
