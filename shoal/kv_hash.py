@@ -166,8 +166,8 @@ def _uint32(token_ids: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
 
 def _content(token_ids: Sequence[int] | np.ndarray, n: int, block_size: int) -> np.ndarray:
     """Each of the first n full blocks' keyed multiply-xorshift sum, a chunk of blocks at a
-    time (a long prompt's temporaries in one piece would each be fresh pages, faulted in on
-    every call: on the H100 host that cost three times the arithmetic)."""
+    time: a long prompt's temporaries in one piece leave the cache and land on fresh pages
+    (131k tokens on the dev machine: 1.6 ms in one piece, 1.2 ms a chunk at a time)."""
     paired = block_size % 2 == 0
     width = block_size // 2 if paired else block_size
     keys = _word_keys.get(width)

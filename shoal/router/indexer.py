@@ -129,8 +129,8 @@ def _masks(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _leading(words: list[np.ndarray], columns: _Columns) -> dict[str, int]:
     """Per worker whose bit is set in the first row, how many leading rows all have it; the
-    rows come as one array per mask word (column-wise: a long prompt's rows in one piece
-    would be fresh pages on every call).
+    rows come as one array per mask word (each a long prompt's rows, small enough to stay
+    in cache).
 
     The rows are ANDed cumulatively; at each row where the running mask changes, the bits
     it loses are unpacked in one call, so no Python step is taken per row or per change."""
