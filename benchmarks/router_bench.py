@@ -246,6 +246,7 @@ def figures(summary: dict) -> dict:
     return {
         "requests_ok": summary["requests"]["ok"],
         "errors": summary["requests"]["errors"],
+        "error_examples": summary["requests"].get("error_examples") or {},
         "ttft_p50_ms": lat["ttft"]["p50"],
         "ttft_p99_ms": lat["ttft"]["p99"],
         "itl_p50_ms": lat["itl"]["p50"],
