@@ -1,8 +1,11 @@
 """A worker's event-plane voice: its engine's KV events, its load, and full-state dumps.
 
-Everything here runs in the engine thread (after a step, or through AsyncLLM.call), so the
-block pool is never read while a step changes it, and a dump's `seq` is exactly the last
-KV batch it includes.
+The engine thread only takes what a step produced (LLMEngine.take_kv_events, a LoadReport);
+everything here runs in the worker's event loop. A ZMQ send releases the interpreter lock,
+and the loop thread, busy with the previous step's outputs, would then hold it up to the
+switch interval before the engine thread got it back: on every step that stored a block.
+Batches go out in the order the engine thread handed them over, so a dump's `seq` is
+exactly the last KV batch it includes.
 
 A router keys its index on its own hash of each stored block's tokens, so a dump gives
 every cached block as a BlockStored with its tokens and parent. The engine keeps no tokens
@@ -102,24 +105,22 @@ class KVPublisher:
         self.seq = 0  # the frame sequence number of the last KV event batch sent (from 1)
         self.cached = CachedBlocks()
 
-    def publish_events(self, engine: LLMEngine) -> None:
-        """Send the KV events of the steps since the last call as one batch (if any)."""
-        events = engine.take_kv_events()
+    def publish_events(self, events: list[KVEvent]) -> None:
+        """Send one step's KV events (LLMEngine.take_kv_events) as a batch, if any."""
         if events:
             self.cached.apply(events)
             batch = KVEventBatch(ts=time.time(), events=events)
             self.seq = self._publisher.publish(KV_EVENTS_TOPIC, batch)
 
-    def publish_load(self, engine: LLMEngine) -> None:
-        self._publisher.publish(LOAD_TOPIC, load_report(self.worker_id, engine, time.time()))
+    def publish_load(self, report: LoadReport) -> None:
+        self._publisher.publish(LOAD_TOPIC, report)
 
-    def dump(self, engine: LLMEngine) -> KVStateDump:
-        """Every cached block, after sending pending events so `seq` covers them."""
-        self.publish_events(engine)
+    def dump(self, block_size: int) -> KVStateDump:
+        """Every cached block the batches sent so far leave, as of the last one's `seq`."""
         return KVStateDump(
             worker_id=self.worker_id,
             seq=self.seq,
-            block_size=engine.kv.block_size,
+            block_size=block_size,
             events=self.cached.as_events(),
         )
 

@@ -13,6 +13,7 @@ import gc
 import logging
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from shoal.disagg.backends import start_exporters, start_transports
@@ -37,6 +38,7 @@ from shoal.protocol import (
     KVBlocksRequest,
     KVStateDump,
     KVStateRequest,
+    LoadReport,
     ModelCard,
     ModelFileChunk,
     ModelFilesRequest,
@@ -45,7 +47,7 @@ from shoal.protocol import (
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.errors import SHUTDOWN_CODE
 from shoal.runtime.request_server import StreamSink
-from shoal.worker.kv_publisher import KVPublisher
+from shoal.worker.kv_publisher import KVPublisher, load_report
 from shoal.worker.metrics import StatsLogger, WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -195,7 +197,7 @@ class Worker:
 
     async def kv_state(self, request: KVStateRequest) -> AsyncIterator[KVStateDump]:
         """The resync endpoint: one dump of every block the engine caches."""
-        dump = await self.engine.call(self.publisher.dump)
+        dump = self.publisher.dump(self.card.kv_block_size)
         log.info(
             "KV state dump for a router (%s): %d blocks at seq %d",
             request.reason,
@@ -204,17 +206,18 @@ class Worker:
         )
         yield dump
 
-    def _tick(self, core: LLMEngine) -> None:
-        self.publisher.publish_load(core)
+    def _tick(self, core: LLMEngine) -> LoadReport:
+        """In the engine thread: refresh what reads the engine, and its load to publish."""
         if self.source is not None:
             self.source.update(core)
         if self.metrics is not None:
             self.metrics.update(core)
+        return load_report(self.publisher.worker_id, core, time.time())
 
     async def report_load(self, interval: float = LOAD_INTERVAL) -> None:
         """Publish the engine's load (and refresh the metrics) every `interval` s, busy or idle."""
         while True:
-            await self.engine.call(self._tick)
+            self.publisher.publish_load(await self.engine.call(self._tick))
             await asyncio.sleep(interval)
 
     async def log_stats(self, interval: float) -> None:
@@ -271,7 +274,9 @@ async def serve_worker(
     died = asyncio.Event()
 
     def on_step(core: LLMEngine) -> None:
-        publisher.publish_events(core)
+        events = core.take_kv_events()
+        if events:  # sent from the loop: a ZMQ send would give up the engine thread's GIL
+            loop.call_soon_threadsafe(publisher.publish_events, events)
         metrics.update(core)
 
     def on_dead(_exc: BaseException) -> None:
