@@ -24,6 +24,11 @@ this CPU can compute. Only config.json and the tokenizer of --model are read; wi
     .venv/bin/python benchmarks/router_bench.py --workloads mooncake --modes kv \
         --api-server-count 4
 
+--arrival-jitter-ms MS (mooncake) delays each request by a uniform draw in [0, MS) ms of
+model time (shoal bench's --arrival-jitter-ms, scaled to the wall clock), as router_sim.py's
+option of the same name does: the trace's timestamps come 3 s apart, so without it each
+step's ten or so requests start at the same instant.
+
 --api-server-count N runs N frontend processes on the one port (`shoal serve
 --api-server-count`), each with its own router; the kernel spreads the client's connections
 over them, and with replica sync (shoal serve's default) their routers share their
@@ -353,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="live runs per workload and mode; the table gives the median and min..max",
     )
     p.add_argument(
+        "--arrival-jitter-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="mooncake: delay each request by a uniform draw in [0, MS) ms of model time",
+    )
+    p.add_argument(
         "--api-server-count",
         type=int,
         default=1,
@@ -385,6 +397,8 @@ def main() -> int:
             raise ValueError("--repeats must be at least 1")
         if args.api_server_count < 1:
             raise ValueError("--api-server-count must be at least 1")
+        if not args.arrival_jitter_ms >= 0:
+            raise ValueError("--arrival-jitter-ms must be >= 0")
     except ValueError as e:
         p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -406,6 +420,10 @@ def main() -> int:
             count = write_rows(args.trace, rows_range, sliced)
             bench_args += ["--trace", str(sliced), "--num-requests", str(count)]
             trace_fields = {"trace": args.trace.name, "rows": args.rows, "num_requests": count}
+            if args.arrival_jitter_ms:
+                wall_ms = args.arrival_jitter_ms / (args.speedup * workload.mocker_speedup)
+                bench_args += ["--arrival-jitter-ms", f"{wall_ms:g}"]
+                trace_fields["arrival_jitter_ms"] = args.arrival_jitter_ms
         for mode in args.modes.split(","):
             mode_runs = []
             for repeat in range(args.repeats):

@@ -278,6 +278,15 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="trace replay: divide timestamps by this (default: %(default)s)",
     )
+    work.add_argument(
+        "--arrival-jitter-ms",
+        type=float,
+        metavar="MS",
+        default=0.0,
+        help="trace replay: delay each request by a uniform draw in [0, MS) ms after "
+        "--speedup (seeded by --seed; the times keep the trace's order), so requests "
+        "sharing a timestamp do not all start at once (default: %(default)s)",
+    )
 
     load = p.add_argument_group("load shape (one of; default: --concurrency 1, trace: --replay)")
     shape = load.add_mutually_exclusive_group()
@@ -389,6 +398,10 @@ def _check_run_args(args: argparse.Namespace) -> str | None:
         return "--warmup must be >= 0"
     if args.rate is not None and args.rate <= 0:
         return "--rate must be > 0"
+    if not args.arrival_jitter_ms >= 0:
+        return "--arrival-jitter-ms must be >= 0"
+    if args.arrival_jitter_ms and args.workload != "trace":
+        return "--arrival-jitter-ms goes with --workload trace"
     return None
 
 
@@ -430,7 +443,10 @@ def _workload(
         synthesis = TraceSynthesis(
             args.block_size, args.input_scale, args.output_scale, args.speedup
         )
-        return trace_sessions(entries, builder, synthesis), len(entries)
+        sessions = trace_sessions(
+            entries, builder, synthesis, args.arrival_jitter_ms / 1e3, args.seed
+        )
+        return sessions, len(entries)
     if args.workload == "multi-turn":
         sessions = multi_turn(
             builder,

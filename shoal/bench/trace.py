@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,18 +85,29 @@ class TraceSynthesis:
 
 
 def trace_sessions(
-    entries: list[TraceEntry], builder: PromptBuilder, synthesis: TraceSynthesis
+    entries: list[TraceEntry],
+    builder: PromptBuilder,
+    synthesis: TraceSynthesis,
+    jitter_s: float = 0.0,
+    seed: int = 0,
 ) -> Iterator[Session]:
     """One single-turn session per entry, with arrival times relative to the first entry.
 
+    `jitter_s` delays each arrival by a uniform draw in [0, jitter_s) (seeded); the delayed
+    times are handed out in the trace's order, so no request starts before the one before
+    it. Traces whose timestamps are coarse (the Mooncake conversation trace's come 3 s
+    apart) otherwise start a whole step's requests at the same instant.
     Prompts are built lazily, as the load generator asks for the next session.
     """
     if not entries:
         return
     origin = entries[0].timestamp_ms
-    for i, entry in enumerate(entries):
+    arrivals = [(e.timestamp_ms - origin) / 1000.0 / synthesis.speedup for e in entries]
+    if jitter_s > 0:
+        rng = random.Random(seed)
+        arrivals = sorted(t + rng.uniform(0.0, jitter_s) for t in arrivals)
+    for i, (entry, arrival) in enumerate(zip(entries, arrivals, strict=True)):
         blocks = synthesis.blocks(entry, i)
         tokens = sum(n for _, _, n in blocks)
         turn = Turn(builder.text(blocks), tokens, synthesis.output_tokens(entry))
-        arrival = (entry.timestamp_ms - origin) / 1000.0 / synthesis.speedup
         yield Session(i, [turn], arrival)

@@ -174,6 +174,23 @@ def test_trace_replay_reproduces_block_sharing(stub, vocab, builder, tok, tmp_pa
     assert common_prefix(prompts[0], prompts[5]) == lengths[0]  # same ids, longer last block
 
 
+def test_trace_replay_jitter_spreads_shared_timestamps_in_order(builder, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 1000 * (i // 10), "input_length": 600, "output_length": 4} for i in range(40)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    synthesis = TraceSynthesis(block_size=512, input_scale=1 / 32)
+    plain = [s.arrival_s for s in trace_sessions(load_trace(path), builder, synthesis)]
+    assert plain == [float(i // 10) for i in range(40)]  # ten at each instant
+    spread = [s.arrival_s for s in trace_sessions(load_trace(path), builder, synthesis, 0.2, 3)]
+    assert spread == sorted(spread)  # never before the request before it
+    assert all(0 <= t - p < 0.2 for t, p in zip(spread, plain, strict=True))  # within its step
+    assert len(set(spread)) == 40  # no two start at once
+    again = [s.arrival_s for s in trace_sessions(load_trace(path), builder, synthesis, 0.2, 3)]
+    assert again == spread  # seeded
+
+
 def test_mooncake_trace_sharing_structure(builder, tok):
     if not MOONCAKE.exists():
         if os.environ.get("CI"):
