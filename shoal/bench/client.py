@@ -15,6 +15,7 @@ from shoal.bench.workloads import Turn
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 ERROR_DETAIL_CHARS = 300
+KEEPALIVE_S = 2.0  # seconds an idle pooled connection is kept (see OpenAIClient.__aenter__)
 
 
 @dataclass
@@ -155,8 +156,14 @@ class OpenAIClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> OpenAIClient:
+        # An idle pooled connection is dropped after KEEPALIVE_S, before servers close theirs
+        # (uvicorn's default, shoal's and vLLM's, is 5 s): reusing one the server is closing
+        # at that moment fails the request with a connection reset.
         connector = aiohttp.TCPConnector(
-            limit=self.max_connections, limit_per_host=0, ttl_dns_cache=None
+            limit=self.max_connections,
+            limit_per_host=0,
+            ttl_dns_cache=None,
+            keepalive_timeout=KEEPALIVE_S,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
