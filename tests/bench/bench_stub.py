@@ -45,6 +45,9 @@ class StubServer:
         self.reset()
 
     def reset(self) -> None:
+        # A handler still running from the test before (a stream its client dropped) must
+        # not count in this test's in-flight figures: each handler keeps its generation.
+        self.generation = getattr(self, "generation", 0) + 1
         self.received: list[dict] = []
         self.paths: list[str] = []
         self.sent_at: list[list[float]] = []  # per request: arrival, then each token's write
@@ -108,6 +111,7 @@ class StubServer:
             n_out -= 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        generation = self.generation
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -115,7 +119,8 @@ class StubServer:
                 await self.hold(cfg["hold_until"])
             await self.stream(resp, sent_at, n_out, cfg, chat, prompt_tokens)
         finally:
-            self.in_flight -= 1
+            if generation == self.generation:
+                self.in_flight -= 1
         return resp
 
     async def hold(self, arrivals: int) -> None:
