@@ -61,29 +61,44 @@ class CachedBlocks:
                 origin.clear()
 
     def as_events(self) -> list[BlockStored]:
-        """Every block as BlockStored events, parents first; a run of blocks one event stored
-        together, still cached together, stays one event."""
+        """Every block as BlockStored events, each after the event holding its parent; a run
+        of blocks one event stored together, still cached together, stays one event."""
         runs: list[tuple[BlockStored, int, int]] = []  # (event, first block, end)
         for event, i in self._origin.values():
             if runs and runs[-1][0] is event and runs[-1][2] == i:
                 runs[-1] = (event, runs[-1][1], i + 1)
             else:
                 runs.append((event, i, i + 1))
-        out = []
-        for event, first, end in runs:
-            size = event.block_size
-            out.append(
-                BlockStored(
-                    block_hashes=event.block_hashes[first:end],
-                    parent_block_hash=event.block_hashes[first - 1]
-                    if first
-                    else event.parent_block_hash,
-                    token_ids=event.token_ids[first * size : end * size],
-                    block_size=size,
-                    lora_id=event.lora_id,
-                )
+        stored = [
+            BlockStored(
+                block_hashes=event.block_hashes[first:end],
+                parent_block_hash=event.block_hashes[first - 1]
+                if first
+                else event.parent_block_hash,
+                token_ids=event.token_ids[first * event.block_size : end * event.block_size],
+                block_size=event.block_size,
+                lora_id=event.lora_id,
             )
-        return out
+            for event, first, end in runs
+        ]
+        return _parents_first(stored)
+
+
+def _parents_first(stored: list[BlockStored]) -> list[BlockStored]:
+    """The events reordered so that each comes after the one holding its parent block (a
+    parent evicted and cached again comes later in store order than its children)."""
+    holder = {h: k for k, event in enumerate(stored) for h in event.block_hashes}
+    placed: set[int] = set()
+    order: list[int] = []
+    for k in range(len(stored)):
+        chain = []
+        while k is not None and k not in placed:
+            chain.append(k)
+            placed.add(k)
+            parent = stored[k].parent_block_hash
+            k = None if parent is None else holder.get(parent)
+        order.extend(reversed(chain))
+    return [stored[k] for k in order]
 
 
 class KVPublisher:

@@ -10,7 +10,7 @@ import pytest
 
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request
-from shoal.kv_hash import extra_key
+from shoal.kv_hash import extra_key, route_hashes
 from shoal.protocol import BlockRemoved, BlockStored, SamplingParams
 from shoal.router.indexer import KvIndexer
 from shoal.worker.kv_publisher import CachedBlocks
@@ -71,3 +71,24 @@ def test_a_dump_rebuilds_what_the_events_built(seed):
     # the rebuilt index reads the engine's names: removing every block empties it
     rebuilt.apply("w", BlockRemoved(block_hashes=kv.cached_block_hashes()))
     assert rebuilt.num_blocks("w") == 0
+
+
+def test_a_parent_cached_again_after_its_child_comes_first_in_the_dump():
+    tokens = list(range(100, 112))  # three blocks of 4
+    cached = CachedBlocks()
+    cached.apply(
+        [
+            BlockStored(
+                block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=tokens, block_size=BLOCK
+            ),
+            BlockRemoved(block_hashes=[1]),  # the first block evicted, its children kept
+            BlockStored(
+                block_hashes=[1], parent_block_hash=None, token_ids=tokens[:4], block_size=BLOCK
+            ),
+        ]
+    )
+    dump = cached.as_events()
+    assert [e.block_hashes for e in dump] == [[1], [2, 3]]
+    index = KvIndexer()
+    index.load_dump("w", dump)
+    assert index.overlaps(route_hashes(tokens, BLOCK)) == {"w": 3}
