@@ -316,10 +316,11 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 # the event plane a batch is the last frame of [topic, seq (8 bytes big-endian), payload], as
 # vLLM frames it; the publisher's address tells whose batch it is. Block hashes are the
 # engine's own (ints, or bytes in some vLLM versions): the router re-hashes each stored
-# block's token_ids with kv_hash and maps the engine's hashes to its own.
+# block's token_ids with kv_hash.route_hashes and maps the engine's hashes to its own.
 
 EngineBlockHash = int | bytes
 MEDIUM_GPU = "GPU"  # the tier (`medium`) of blocks in GPU memory; CPU and disk tiers name theirs
+GPU_MEDIA = (None, MEDIUM_GPU)  # `medium` values of GPU blocks (vLLM 0.9 events send none)
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, tag=True, gc=False):

@@ -47,7 +47,7 @@ import numpy as np
 
 from shoal.kv_hash import ROUTE_ROOT, extra_key, route_extra, route_hash_runs
 from shoal.protocol import (
-    MEDIUM_GPU,
+    GPU_MEDIA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -58,7 +58,6 @@ from shoal.router.block_table import BlockTable
 
 log = logging.getLogger(__name__)
 
-_INDEXED_MEDIA = (None, MEDIUM_GPU)
 FLUSH_OPS = 1024  # queued (worker, block) changes applied without waiting for a lookup
 SHORT_PROMPT_BLOCKS = 256  # prompts up to this many blocks are looked up without numpy
 _not_none = partial(is_not, None)
@@ -172,7 +171,6 @@ class _Wave:
         return (
             bool(self.engine)
             and event.parent_block_hash == self.engine[-1]
-            and event.parent_block_hash is not None
             and event.block_size == self.block_size
             and extra == self._extra
         )
@@ -218,12 +216,12 @@ class KvIndexer:
         """Apply one KV event published by `worker_id`."""
         match event:
             case BlockStored():
-                if event.medium in _INDEXED_MEDIA:
+                if event.medium in GPU_MEDIA:
                     self._apply_stored(worker_id, [event])
                 elif self.lower is not None:
                     self.lower._apply_stored(worker_id, [event])
             case BlockRemoved(block_hashes=hashes, medium=medium):
-                if medium in _INDEXED_MEDIA:
+                if medium in GPU_MEDIA:
                     self.remove(worker_id, hashes)
                 elif self.lower is not None:
                     self.lower.remove(worker_id, hashes)
@@ -236,7 +234,7 @@ class KvIndexer:
         """Apply a batch in order; consecutive GPU BlockStored events are applied as one."""
         run: list[BlockStored] = []
         for event in events:
-            if type(event) is BlockStored and event.medium in _INDEXED_MEDIA:
+            if type(event) is BlockStored and event.medium in GPU_MEDIA:
                 run.append(event)
                 continue
             if run:

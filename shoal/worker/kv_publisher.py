@@ -20,9 +20,9 @@ from itertools import count, repeat
 
 from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import (
+    GPU_MEDIA,
     KV_EVENTS_TOPIC,
     LOAD_TOPIC,
-    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -49,12 +49,12 @@ class CachedBlocks:
         origin = self._origin
         for event in events:
             if type(event) is BlockStored:
-                if event.medium in (None, MEDIUM_GPU):
+                if event.medium in GPU_MEDIA:
                     origin.update(
                         zip(event.block_hashes, zip(repeat(event), count()), strict=False)
                     )
             elif type(event) is BlockRemoved:
-                if event.medium in (None, MEDIUM_GPU):
+                if event.medium in GPU_MEDIA:
                     for block_hash in event.block_hashes:
                         origin.pop(block_hash, None)
             elif type(event) is AllBlocksCleared:

@@ -201,7 +201,7 @@ class Worker:
         log.info(
             "KV state dump for a router (%s): %d blocks at seq %d",
             request.reason,
-            sum(len(e.block_hashes) for e in dump.events),
+            len(self.publisher.cached),
             dump.seq,
         )
         yield dump
