@@ -33,11 +33,16 @@ def extra_key(lora_id: int | None = None, mm_hashes: Sequence[str] = ()) -> byte
     return b"|".join(parts)
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
+def _u32(token_ids: Sequence[int]) -> array:
+    """Token ids as little-endian u32 values."""
     buf = array("I", token_ids)
     if byteorder != "little":
         buf.byteswap()
-    return buf.tobytes()
+    return buf
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return _u32(token_ids).tobytes()
 
 
 def _chain(parent: int | None, block_bytes: bytes, extra: bytes) -> int:
@@ -158,10 +163,7 @@ def _uint32(token_ids: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
     """The first `count` token ids as a little-endian uint32 array."""
     if isinstance(token_ids, np.ndarray):
         return token_ids[:count].astype("<u4", copy=False)
-    buf = array("I", token_ids)
-    if byteorder != "little":
-        buf.byteswap()
-    return np.frombuffer(buf, "<u4")[:count]
+    return np.frombuffer(_u32(token_ids), "<u4")[:count]
 
 
 def _content(token_ids: Sequence[int] | np.ndarray, n: int, block_size: int) -> np.ndarray:

@@ -42,12 +42,13 @@ class StubServer:
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.generation = 0
         self.reset()
 
     def reset(self) -> None:
         # A handler still running from the test before (a stream its client dropped) must
         # not count in this test's in-flight figures: each handler keeps its generation.
-        self.generation = getattr(self, "generation", 0) + 1
+        self.generation += 1
         self.received: list[dict] = []
         self.paths: list[str] = []
         self.sent_at: list[list[float]] = []  # per request: arrival, then each token's write
