@@ -105,21 +105,53 @@ def engine_half(args: argparse.Namespace) -> dict:
     ]
     for request in requests:
         engine.add_request(request)
+    times = TokenTimes()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            times.saw(out.request_id, now, out.finished)
     wall = time.perf_counter() - start
-    closed = asyncio.run(closed_loop(engine, requests, args.concurrency))
+    closed_times = TokenTimes()
+    closed = asyncio.run(closed_loop(engine, requests, args.concurrency, closed_times))
     return {
         "wall_s": wall,
         "output_tok_s": float(outs.sum()) / wall,
+        "saturated_output_tok_s": times.saturated_rate(requests),
         "closed_loop_wall_s": closed,
         "closed_loop_output_tok_s": float(outs.sum()) / closed,
+        "closed_loop_saturated_output_tok_s": closed_times.saturated_rate(requests),
     }
 
 
-async def closed_loop(engine, requests: list, concurrency: int) -> float:
-    """Wall time of `requests` through AsyncLLM with `concurrency` in flight at all times."""
+class TokenTimes:
+    """Each request's first-token and end times, for saturated_output_rate."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.end: dict[str, float] = {}
+
+    def saw(self, request_id: str, now: float, finished: bool) -> None:
+        self.first.setdefault(request_id, now)
+        if finished:
+            self.end[request_id] = now
+
+    def saturated_rate(self, requests: list) -> float | None:
+        from shoal.bench.metrics import saturated_output_rate
+
+        ids = list(self.first)
+        tokens = {r.request_id: r.sampling.max_tokens for r in requests}
+        return saturated_output_rate(
+            [self.first[i] for i in ids],
+            [self.end[i] for i in ids],
+            [tokens[i.removeprefix("c")] for i in ids],
+        )
+
+
+async def closed_loop(engine, requests: list, concurrency: int, times: TokenTimes) -> float:
+    """Wall time of `requests` through AsyncLLM with `concurrency` in flight at all times
+    (their token times into `times`)."""
     from shoal.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM(engine)
@@ -127,8 +159,8 @@ async def closed_loop(engine, requests: list, concurrency: int) -> float:
 
     async def client() -> None:
         for request in pending:
-            async for _ in llm.generate(request):
-                pass
+            async for out in llm.generate(request):
+                times.saw(out.request_id, time.perf_counter(), out.finished)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -241,6 +273,7 @@ def main() -> None:
         lat = summary["latency_ms"]
         record["serve"] = {
             "output_tok_s": summary["throughput"]["output_tokens_per_s"],
+            "saturated_output_tok_s": summary["throughput"]["saturated_output_tokens_per_s"],
             "errors": summary["requests"]["errors"],
             "ttft_p50_ms": lat["ttft"]["p50"],
             "ttft_p99_ms": lat["ttft"]["p99"],
@@ -251,6 +284,14 @@ def main() -> None:
         serve, engine = record["serve"]["output_tok_s"], record["engine"]
         record["serve_over_engine"] = serve / engine["output_tok_s"]
         record["serve_over_closed_loop"] = serve / engine["closed_loop_output_tok_s"]
+        saturated = record["serve"]["saturated_output_tok_s"]
+        for name, key in (
+            ("engine", "saturated_output_tok_s"),
+            ("closed_loop", "closed_loop_saturated_output_tok_s"),
+        ):
+            base = engine[key]
+            ratio = saturated / base if saturated and base else None
+            record[f"saturated_serve_over_{name}"] = ratio
     RESULTS.parent.mkdir(exist_ok=True)
     with RESULTS.open("a") as f:
         f.write(json.dumps(record) + "\n")
@@ -270,28 +311,44 @@ def _device_name() -> str:
         return "cpu"
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def _table(record: dict) -> str:
+    """Whole-run and saturated (full-load window) output tok/s of each half, and the ratios."""
     w = record["workload"]
     lines = [
         f"{w['shape']}, {w['num_requests']} requests, concurrency {w['concurrency']}, "
-        f"{record['device']}, commit {record['commit']}"
+        f"{record['device']}, commit {record['commit']}",
+        f"{'out tok/s':17}{'whole run':>10}{'saturated':>11}",
     ]
     if "engine" in record:
         engine = record["engine"]
-        lines.append(f"engine offline   {engine['output_tok_s']:>10,.0f} out tok/s")
         lines.append(
-            f"engine closed    {engine['closed_loop_output_tok_s']:>10,.0f} out tok/s "
-            f"(in-process, {w['concurrency']} in flight)"
+            f"engine offline   {_rate(engine['output_tok_s']):>10}"
+            f"{_rate(engine['saturated_output_tok_s']):>11}"
+        )
+        lines.append(
+            f"engine closed    {_rate(engine['closed_loop_output_tok_s']):>10}"
+            f"{_rate(engine['closed_loop_saturated_output_tok_s']):>11}"
+            f"  (in-process, {w['concurrency']} in flight)"
         )
     if "serve" in record:
         s = record["serve"]
         lines.append(
-            f"shoal serve      {s['output_tok_s']:>10,.0f} out tok/s  TTFT p50 "
-            f"{s['ttft_p50_ms']:.0f} ms  TPOT p50 {s['tpot_p50_ms']:.1f} ms  errors {s['errors']}"
+            f"shoal serve      {_rate(s['output_tok_s']):>10}"
+            f"{_rate(s['saturated_output_tok_s']):>11}"
+            f"  TTFT p50 {s['ttft_p50_ms']:.0f} ms  TPOT p50 {s['tpot_p50_ms']:.1f} ms"
+            f"  errors {s['errors']}"
         )
     if "serve_over_engine" in record:
-        lines.append(f"serve / engine   {record['serve_over_engine']:>10.3f}")
-        lines.append(f"serve / closed   {record['serve_over_closed_loop']:>10.3f}")
+        for name, key in (("engine", "engine"), ("closed", "closed_loop")):
+            whole, saturated = record[f"serve_over_{key}"], record[f"saturated_serve_over_{key}"]
+            lines.append(
+                f"serve / {name:9}{whole:>10.3f}"
+                + ("" if saturated is None else f"{saturated:>11.3f}")
+            )
     return "\n".join(lines)
 
 

@@ -119,6 +119,31 @@ def prefix_cache_hits(records: Sequence[RequestRecord]) -> dict[str, Any] | None
     return {"requests": len(known), "cached_tokens": cached, "hit_rate": cached / total}
 
 
+def saturated_output_rate(
+    first_s: Sequence[float], end_s: Sequence[float], tokens: Sequence[int]
+) -> float | None:
+    """Output tok/s while the load is at full strength: from the first request's end to the
+    last request's first token (before: every request's prefill at once; after: the drain).
+
+    A request's first token is at first_s, its others evenly over (first_s, end_s]. None when
+    that window is empty (every request started before any ended). The figure does not
+    depend on how many requests the run has, as a whole-run rate does through its tails.
+    """
+    first = np.asarray(first_s, dtype=np.float64)
+    end = np.asarray(end_s, dtype=np.float64)
+    count = np.asarray(tokens, dtype=np.float64)
+    if first.size == 0:
+        return None
+    lo, hi = end.min(), first.max()
+    if hi <= lo:
+        return None
+    in_first = ((first >= lo) & (first <= hi)).astype(np.float64)
+    span = end - first
+    overlap = np.clip(np.minimum(end, hi) - np.maximum(first, lo), 0.0, None)
+    rest = np.divide(overlap, span, out=np.zeros_like(span), where=span > 0) * (count - 1)
+    return float((np.minimum(count, 1) * in_first + rest).sum() / (hi - lo))
+
+
 def summarize(
     records: Sequence[RequestRecord],
     slo: dict[str, float] | None = None,
@@ -126,6 +151,7 @@ def summarize(
 ) -> dict[str, Any]:
     """All aggregates of one run; `exact_output` when ignore_eos made max_tokens exact."""
     ok = [r for r in records if r.ok]
+    timed = [r for r in ok if r.ttft_s is not None]
     sent = [r for r in records if r.error_kind != "skipped"]
     duration = max(r.end_s for r in records) - min(r.start_s for r in records) if records else 0.0
     per_s = 1.0 / duration if duration > 0 else 0.0
@@ -152,6 +178,11 @@ def summarize(
             "input_tokens_per_s": in_tokens * per_s,
             "output_tokens_per_s": out_tokens * per_s,
             "total_tokens_per_s": (in_tokens + out_tokens) * per_s,
+            "saturated_output_tokens_per_s": saturated_output_rate(
+                [r.start_s + r.ttft_s for r in timed],
+                [r.end_s for r in timed],
+                [r.output_tokens for r in timed],
+            ),
         },
         "mean_in_flight": sum(r.e2e_s for r in sent) * per_s,
         "latency_ms": {

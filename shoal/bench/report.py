@@ -134,6 +134,11 @@ def format_run(run: Run) -> str:
         f"throughput  {tp['requests_per_s']:.2f} req/s   {tp['output_tokens_per_s']:,.1f} "
         f"output tok/s   {tp['total_tokens_per_s']:,.1f} total tok/s",
     ]
+    if tp.get("saturated_output_tokens_per_s") is not None:
+        lines.append(
+            f"            {tp['saturated_output_tokens_per_s']:,.1f} output tok/s at full load "
+            "(from the first end to the last first token)"
+        )
     if s["goodput"]:
         g = s["goodput"]
         slo = " ".join(f"{k}<={v:g}ms" for k, v in g["slo_ms"].items())

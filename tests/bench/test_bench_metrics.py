@@ -8,7 +8,13 @@ from bench_helpers import run_sessions
 
 from shoal.bench.client import RequestRecord
 from shoal.bench.loadgen import LoadShape
-from shoal.bench.metrics import meets_slo, parse_slo, stats, summarize
+from shoal.bench.metrics import (
+    meets_slo,
+    parse_slo,
+    saturated_output_rate,
+    stats,
+    summarize,
+)
 from shoal.bench.workloads import LengthDist, single_turn
 
 
@@ -106,3 +112,31 @@ def test_output_token_mismatches_and_missing_usage(stub, vocab, builder):
     assert summary["tokens"]["output_check"]["without_usage"] == 12
     assert summary["tokens"]["input_check"]["checked"] == 0
     assert all(r.output_tokens == r.chunks == 5 for r in result.records)
+
+
+def test_saturated_output_rate_counts_tokens_inside_the_full_load_window():
+    # every request started (first token at 0 and 4) before the first ended (at 10): no window
+    assert saturated_output_rate([0.0, 4.0], [10.0, 14.0], [11, 11]) is None
+    assert saturated_output_rate([], [], []) is None
+    # A: first token 0, end 4; B: 2 -> 12, 11 tokens; C: 6 -> 16. The window is [4, 6]
+    # (A's end to C's first token): none of A's tokens, 2 of B's 10 after its first (2 of
+    # its 10 s), and C's first token.
+    rate = saturated_output_rate([0.0, 2.0, 6.0], [4.0, 12.0, 16.0], [5, 11, 11])
+    assert rate == pytest.approx((2.0 + 1.0) / 2.0)
+
+
+def test_saturated_output_rate_ignores_ramp_and_drain():
+    # 4 slots serve back-to-back requests of 10 tokens at 1 tok/s (the first at the start,
+    # the last 9 s later, the next request 1 s after that): 4 tok/s in all. Slot 0's last
+    # request is 100 tokens long and runs alone for a minute: the drain.
+    firsts, ends, tokens = [], [], []
+    for slot in range(4):
+        for k in range(5):
+            t = 10.0 * k + 0.25 * slot
+            long = slot == 0 and k == 4
+            firsts.append(t)
+            ends.append(t + (99.0 if long else 9.0))
+            tokens.append(100 if long else 10)
+    rate = saturated_output_rate(firsts, ends, tokens)
+    assert rate == pytest.approx(4.0, rel=0.05)
+    assert sum(tokens) / (max(ends) - min(firsts)) < 0.6 * rate  # the whole-run rate
