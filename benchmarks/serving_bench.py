@@ -6,8 +6,11 @@ Draws one workload (input and output lengths uniform in [100, 1024], the draws `
 run --seed S` makes), runs it through LLMEngine offline (all requests submitted at once) in a
 process of its own, then through `shoal serve --workers 1 --load-format dummy` driven by
 `shoal bench run --concurrency C` (completions, ignore_eos, a word tokenizer of the model's
-full vocabulary so prompts are token-exact), and prints serve / engine output tok/s. Both
-halves use the same engine settings. Appends the figures to benchmarks/results/serving.jsonl.
+full vocabulary so prompts are token-exact), and prints serve / engine output tok/s, over
+the whole run and at full load (bench.metrics.saturated_output_rate). Both halves use the
+same engine settings, prefix caching included (--prefix-caching; earlier records, which
+have no `prefix_caching` field, ran the engine half without it and `shoal serve` with it).
+Appends the figures to benchmarks/results/serving.jsonl.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def engine_half(args: argparse.Namespace) -> dict:
         EngineConfig(
             model=str(args.model_dir),
             load_format="dummy",
-            enable_prefix_caching=False,
+            enable_prefix_caching=args.prefix_caching == "on",
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
     )
@@ -204,6 +207,8 @@ def serve_half(args: argparse.Namespace, out_dir: Path) -> dict:
     """Run the workload through `shoal serve` at the given concurrency; the bench summary."""
     flags = ["--model", str(args.model_dir), "--load-format", "dummy", "--workers", "1"]
     flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.prefix_caching == "off":
+        flags.append("--no-enable-prefix-caching")
     flags += args.serve_args.split()
     with shoal_serve(flags, args.port, out_dir / "serve.log", args.start_timeout) as url:
         bench = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
@@ -229,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--prefix-caching",
+        choices=["on", "off"],
+        default="on",
+        help="both halves (on: shoal serve's default, with the KV events a router reads)",
+    )
     p.add_argument("--serve-args", default="", help="extra `shoal serve` flags, one string")
     p.add_argument("--half", choices=["engine", "serve", "both"], default="both")
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -256,6 +267,7 @@ def main() -> None:
             "output_len": f"uniform:{args.min_len}:{args.max_len}",
             "seed": args.seed,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "prefix_caching": args.prefix_caching,
             "serve_args": args.serve_args,
         },
     }
@@ -266,6 +278,7 @@ def main() -> None:
         cmd += ["--min-len", str(args.min_len), "--max-len", str(args.max_len)]
         cmd += ["--seed", str(args.seed)]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        cmd += ["--prefix-caching", args.prefix_caching]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
         record["engine"] = json.loads(out.stdout.strip().splitlines()[-1])
     if args.half in ("serve", "both"):

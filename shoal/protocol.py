@@ -530,8 +530,9 @@ class StreamError(msgspec.Struct, tag=7, array_like=True):
 
 class StreamBatch(msgspec.Struct, tag=8, array_like=True):
     """Server to client: one response of each stream in `rids`, in that order, each the
-    endpoint's response struct as msgpack. A worker sends the outputs one engine step made for
-    one client as this one frame."""
+    endpoint's response struct as msgpack (the server encodes the structs in place; a client
+    keeps each as Raw until its stream decodes it). A worker sends the outputs one engine step
+    made for one client as this one frame."""
 
     rids: list[int]
     payloads: list[msgspec.Raw]

@@ -44,10 +44,11 @@ class EngineStepError(RuntimeError):
     """An engine step failed while this request was in it; the request was aborted."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    put: Callable[[EngineOutput | BaseException], None]  # runs in `loop`
+    on_output: Callable[[EngineOutput, bool], None]  # runs in `loop`
+    on_error: Callable[[BaseException], None]  # runs in `loop`
     num_seqs: int
     num_finished: int = 0
 
@@ -89,30 +90,23 @@ class AsyncLLM:
         included), EngineStepError if a step failed with it, EngineDeadError if the engine
         died.
         """
-        request_id = request.request_id
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
-        stream = _Stream(loop, outputs.put_nowait, request.sampling.n)
-        self._streams[request_id] = stream
+        outputs: asyncio.Queue[tuple[EngineOutput | BaseException, bool]] = asyncio.Queue()
+        self.open(
+            request,
+            lambda out, last: outputs.put_nowait((out, last)),
+            lambda exc: outputs.put_nowait((exc, True)),
+        )
         done = False
         try:
-            self._submit(("add", request))
             while not done:
-                item = await outputs.get()
+                item, done = await outputs.get()
                 if isinstance(item, BaseException):
-                    done = True
                     raise item
-                if item.finished:
-                    stream.num_finished += 1
-                    done = stream.num_finished == stream.num_seqs
                 yield item
         finally:
             if not done:
-                await self.abort(request_id)
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
+                self._streams.pop(request.request_id, None)
+                await self.abort(request.request_id)
 
     def open(
         self,
@@ -128,27 +122,12 @@ class AsyncLLM:
         died.
         """
         request_id = request.request_id
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
         streams = self._streams
-
-        def put(item: EngineOutput | BaseException) -> None:
-            if streams.get(request_id) is not stream:
-                return  # cancelled, or already ended
-            if isinstance(item, BaseException):
-                del streams[request_id]
-                on_error(item)
-                return
-            last = False
-            if item.finished:
-                stream.num_finished += 1
-                last = stream.num_finished == stream.num_seqs
-                if last:
-                    del streams[request_id]
-            on_output(item, last)
-
-        stream = _Stream(asyncio.get_running_loop(), put, request.sampling.n)
-        streams[request_id] = stream
+        if request_id in streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        streams[request_id] = _Stream(
+            asyncio.get_running_loop(), on_output, on_error, request.sampling.n
+        )
         try:
             self._submit(("add", request))
         except BaseException:
@@ -309,21 +288,37 @@ class AsyncLLM:
                 batch = batches.get(stream.loop)
                 if batch is None:
                     batch = batches[stream.loop] = []
-                batch.append((stream.put, out))
+                batch.append((stream, out))
         for loop, batch in batches.items():
             if not loop.is_closed():
-                loop.call_soon_threadsafe(_dispatch, batch)
+                loop.call_soon_threadsafe(self._dispatch, batch)
 
-    def _send(self, request_id: str, item: EngineOutput | BaseException) -> None:
+    def _dispatch(self, batch: list[tuple[_Stream, EngineOutput]]) -> None:
+        """In the event loop: give each stream of a step its output, unless it was cancelled
+        or ended since; a stream's last output ends it."""
+        streams = self._streams
+        for stream, out in batch:
+            request_id = out.request_id
+            if streams.get(request_id) is not stream:
+                continue
+            last = False
+            if out.finish_reason is not None:
+                stream.num_finished += 1
+                last = stream.num_finished == stream.num_seqs
+                if last:
+                    del streams[request_id]
+            stream.on_output(out, last)
+
+    def _send(self, request_id: str, error: BaseException) -> None:
+        """End a stream with `error`, in its event loop."""
         stream = self._streams.get(request_id)
         if stream is not None and not stream.loop.is_closed():
-            stream.loop.call_soon_threadsafe(stream.put, item)
+            stream.loop.call_soon_threadsafe(self._fail, request_id, stream, error)
 
-
-def _dispatch(batch: list) -> None:
-    """Run in the event loop: give each (put, output) pair of a step its output."""
-    for put, out in batch:
-        put(out)
+    def _fail(self, request_id: str, stream: _Stream, error: BaseException) -> None:
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+            stream.on_error(error)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -113,9 +113,10 @@ class StreamSink:
         return self.task is not None and not self.task.done()
 
     def send(self, response: Any) -> None:
-        """Queue one response (dropped once the stream has ended)."""
+        """Queue one response (dropped once the stream has ended). It is encoded when the
+        loop iteration's responses leave together, so it must not change until then."""
         if self.open:
-            self._server._queue_data(self, ENCODER.encode(response))
+            self._server._queue_data(self, response)
 
     def end(self) -> None:
         """End the stream after the responses sent so far."""
@@ -177,8 +178,8 @@ class RequestServer:
         self._decode_frame = decoder(ClientFrame).decode
         self._address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
-        # responses queued this loop iteration, per peer: (stream ids, payloads)
-        self._pending: dict[bytes, tuple[list[int], list[bytes]]] = {}
+        # responses queued this loop iteration, per peer: (stream ids, responses)
+        self._pending: dict[bytes, tuple[list[int], list[Any]]] = {}
         self._flush_scheduled = False
 
     @property
@@ -269,8 +270,9 @@ class RequestServer:
                 st.task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _queue_data(self, st: StreamSink, payload: bytes) -> None:
-        """Queue one response of `st`; a peer's responses of one loop iteration go together."""
+    def _queue_data(self, st: StreamSink, response: Any) -> None:
+        """Queue one response of `st` (a struct, or msgspec.Raw); a peer's responses of one
+        loop iteration go together, encoded in one call."""
         pending = self._pending.get(st.peer)
         if pending is None:
             pending = self._pending[st.peer] = ([], [])
@@ -278,7 +280,7 @@ class RequestServer:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._flush)
         pending[0].append(st.rid)
-        pending[1].append(payload)
+        pending[1].append(response)
 
     def _flush(self) -> None:
         """Send every peer's queued responses, one message per peer."""
@@ -287,12 +289,11 @@ class RequestServer:
         for peer, (rids, payloads) in pending.items():
             self._send_batch(peer, rids, payloads)
 
-    def _send_batch(self, peer: bytes, rids: list[int], payloads: list[bytes]) -> None:
+    def _send_batch(self, peer: bytes, rids: list[int], responses: list[Any]) -> None:
         if len(rids) == 1:
-            frames = [peer, ENCODER.encode(StreamData(rids[0])), payloads[0]]
-        else:
-            batch = StreamBatch(rids, [msgspec.Raw(payload) for payload in payloads])
-            frames = [peer, ENCODER.encode(batch)]
+            frames = [peer, ENCODER.encode(StreamData(rids[0])), ENCODER.encode(responses[0])]
+        else:  # the structs encode in place: the same bytes as a list of their msgpack
+            frames = [peer, ENCODER.encode(StreamBatch(rids, responses))]
         if not self._send_now(frames):
             self._drop_peer(peer)
 
@@ -474,7 +475,7 @@ class RequestServer:
                     st.waiter = loop.create_future()
                     await st.waiter
                 st.credits -= 1
-                self._queue_data(st, encode(response))
+                self._queue_data(st, msgspec.Raw(encode(response)))  # a bad one fails here
             return ENCODER.encode(StreamEnd(st.rid))
         finally:
             aclose = getattr(responses, "aclose", None)
