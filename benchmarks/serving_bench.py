@@ -125,13 +125,15 @@ def engine_half(args: argparse.Namespace) -> dict:
         "closed_loop_wall_s": closed,
         "closed_loop_output_tok_s": float(outs.sum()) / closed,
         "closed_loop_saturated_output_tok_s": closed_times.saturated_rate(requests),
+        "closed_loop_ttft_p50_ms": closed_times.ttft_p50_ms(),
     }
 
 
 class TokenTimes:
-    """Each request's first-token and end times, for saturated_output_rate."""
+    """Each request's submit (closed loop only), first-token and end times."""
 
     def __init__(self) -> None:
+        self.submit: dict[str, float] = {}
         self.first: dict[str, float] = {}
         self.end: dict[str, float] = {}
 
@@ -151,6 +153,9 @@ class TokenTimes:
             [tokens[i.removeprefix("c")] for i in ids],
         )
 
+    def ttft_p50_ms(self) -> float:
+        return 1e3 * float(np.median([self.first[i] - t for i, t in self.submit.items()]))
+
 
 async def closed_loop(engine, requests: list, concurrency: int, times: TokenTimes) -> float:
     """Wall time of `requests` through AsyncLLM with `concurrency` in flight at all times
@@ -162,6 +167,7 @@ async def closed_loop(engine, requests: list, concurrency: int, times: TokenTime
 
     async def client() -> None:
         for request in pending:
+            times.submit[request.request_id] = time.perf_counter()
             async for out in llm.generate(request):
                 times.saw(out.request_id, time.perf_counter(), out.finished)
 
@@ -345,7 +351,8 @@ def _table(record: dict) -> str:
         lines.append(
             f"engine closed    {_rate(engine['closed_loop_output_tok_s']):>10}"
             f"{_rate(engine['closed_loop_saturated_output_tok_s']):>11}"
-            f"  (in-process, {w['concurrency']} in flight)"
+            f"  TTFT p50 {engine['closed_loop_ttft_p50_ms']:.0f} ms (in-process, "
+            f"{w['concurrency']} in flight)"
         )
     if "serve" in record:
         s = record["serve"]
