@@ -52,12 +52,10 @@ from shoal.worker.metrics import StatsLogger, WorkerMetrics
 
 log = logging.getLogger(__name__)
 # The engine thread holds the GIL through each step's host work; the loop thread (requests
-# in, outputs out) would wait up to the interpreter's 5 ms switch interval at each hand-off,
-# and the engine thread, back from waiting on the device, as long for the loop thread's
-# share. 0.5 ms took onboarded turns' TTFT p50 (kv_offload_bench serve, H100) from 136-183
-# to 85-123 ms; 0.1 ms took Qwen3-0.6B's saturated serve rate (serving_bench, H100) from
-# 17.9-18.6k (5 ms) and 19.0-19.3k (0.5 ms) to 19.5-20.3k tok/s (docs/serving.md).
-GIL_SWITCH_INTERVAL_S = 0.0001
+# in, outputs out) would wait up to the interpreter's 5 ms switch interval at each hand-off.
+# With the host tier on, 0.5 ms took onboarded turns' TTFT p50 in kv_offload_bench serve
+# on the H100 from 136-183 to 85-123 ms (docs/kv-offload.md).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 LOAD_INTERVAL = 0.2  # seconds between load reports (and metric refreshes)
 DEFAULT_STATS_INTERVAL = 10.0  # seconds between engine stats log lines
