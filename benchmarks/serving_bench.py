@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import SHAPES
 from provenance import provenance
 
+from shoal.bench.metrics import saturated_output_rate
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "serving.jsonl"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -143,8 +145,6 @@ class TokenTimes:
             self.end[request_id] = now
 
     def saturated_rate(self, requests: list) -> float | None:
-        from shoal.bench.metrics import saturated_output_rate
-
         ids = list(self.first)
         tokens = {r.request_id: r.sampling.max_tokens for r in requests}
         return saturated_output_rate(

@@ -26,6 +26,11 @@ class WorkerLoad:
     waiting: int = 0  # requests queued on the worker, as last reported
     total_blocks: int | None = None  # the worker's KV cache size, once reported
 
+    @property
+    def decode_blocks(self) -> int:
+        """Active KV blocks: predicted for the requests counted here plus foreign."""
+        return self.blocks + self.foreign
+
 
 @dataclass(slots=True)
 class _Request:
@@ -142,8 +147,7 @@ class LoadTracker:
 
     def decode_blocks(self, worker_id: str) -> int:
         """Active KV blocks on the worker: predicted for the requests counted here plus foreign."""
-        load = self._workers.get(worker_id, _UNKNOWN)
-        return load.blocks + load.foreign
+        return self._workers.get(worker_id, _UNKNOWN).decode_blocks
 
     def loads(self, worker_ids: Iterable[str]) -> list[WorkerLoad]:
         """Each worker's running sums (read only; a worker never heard of reads as all 0):

@@ -141,7 +141,7 @@ def costs(
     for w, held in zip(workers, load.loads(workers), strict=True):
         new = prompt_blocks - cached(w, 0)  # to prefill; the cached ones are resident already
         prefill = held.prefill_tokens * per_token + (credit + weight * held.queued) * new
-        out.append(scale * prefill + held.blocks + held.foreign + new)
+        out.append(scale * prefill + held.decode_blocks + new)
     return out
 
 
