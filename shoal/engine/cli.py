@@ -71,7 +71,7 @@ ENGINE = FlagGroup(
         ),
         Flag(
             "enforce-eager",
-            "GPU: run decode without CUDA graphs",
+            "GPU: run every step without CUDA graphs (decode and piecewise)",
             kind="toggle",
             shown_default="off",
         ),

@@ -22,7 +22,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     load_format: str = "auto"  # auto: safetensors; dummy: random weights (benchmarks)
-    enforce_eager: bool = False  # GPU: run decode without CUDA graphs
+    enforce_eager: bool = False  # GPU: run every step without CUDA graphs
     # schedule step N+1 while the device runs step N; default: on with CUDA, off on CPU
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over

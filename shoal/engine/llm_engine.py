@@ -131,12 +131,13 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enforce_eager=config.enforce_eager,
             kv=self.kv,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             tp=self.tp,
             followers=self.followers,
         )
 
     def _capture_graphs(self) -> float:
-        """Capture the decode CUDA graphs on every rank; seconds spent on this one."""
+        """Capture the CUDA graphs on every rank; seconds spent on this one."""
         if self.followers is not None:
             self.followers.capture_graphs()
         return self.runner.capture_graphs()

@@ -2,7 +2,9 @@
 
 Sequences are concatenated (no padding); every token gets its position and its cache
 slot; each sequence its block table. Only sequences whose scheduled chunk reaches their
-last known token are sampled. On CUDA, pure-decode batches replay captured CUDA graphs.
+last known token are sampled. On CUDA, pure-decode batches replay captured CUDA graphs and
+batches with prompt tokens (up to piecewise_graphs.MAX_TOKENS) replay piecewise ones, with
+attention run eagerly between the pieces.
 
 The runner keeps its own copy of the block table. On rank 0 it turns the scheduler's
 output into a StepPlan (block ids that changed included), sends it to the other
@@ -20,6 +22,7 @@ import torch
 from shoal.engine.cuda_graphs import DecodeGraphs
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.parallel.plan import RunnerBlockTable, StepPlan
+from shoal.engine.piecewise_graphs import PiecewiseGraphs
 from shoal.engine.request import Request
 from shoal.engine.sampler import SampledTokens, Sampler, logprob_pieces, token_logprobs
 from shoal.engine.scheduler import SchedulerOutput
@@ -122,6 +125,7 @@ class ModelRunner:
         max_model_len: int = 4096,
         enforce_eager: bool = False,
         kv: KVCacheManager | None = None,
+        max_num_batched_tokens: int = 8192,
         tp: TPGroup | None = None,
         followers=None,
     ) -> None:
@@ -145,6 +149,7 @@ class ModelRunner:
         for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             layer.kv_cache = cache
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: PiecewiseGraphs | None = None
         self.decode_workspace = None
         # the last launch's draws on the device, and each sampled request's row in them
         self._last_tokens: torch.Tensor | None = None
@@ -161,6 +166,7 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     model, device, max_num_seqs, max_blocks, self.decode_workspace
                 )
+                self.mixed_graphs = PiecewiseGraphs(model, device, max_num_batched_tokens)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A host copy of these blocks' KV: [layers, 2, blocks, block_size, heads, head_dim]."""
@@ -176,8 +182,11 @@ class ModelRunner:
             cache.index_copy_(1, index, data[layer])
 
     def capture_graphs(self) -> float:
-        """Capture the decode CUDA graphs; returns seconds spent (0 when graphs are off)."""
-        return self.graphs.capture() if self.graphs is not None else 0.0
+        """Capture the decode and the piecewise CUDA graphs; returns seconds spent (0 when
+        graphs are off)."""
+        if self.graphs is None or self.mixed_graphs is None:
+            return 0.0
+        return self.graphs.capture() + self.mixed_graphs.capture()
 
     def _plan(self, sched: SchedulerOutput) -> tuple[StepPlan, np.ndarray, list]:
         """The step's plan, the indices of the sequences it samples, and the prompt-logprob
@@ -292,6 +301,9 @@ class ModelRunner:
             seq_lens_host=batch.seq_lens_host,
             decode_workspace=self.decode_workspace if is_decode else None,
         )
+        mixed = self.mixed_graphs
+        if not is_decode and mixed is not None and mixed.fits(len(batch.input_ids)):
+            return mixed.run(input_ids, positions, slots, meta)
         return self.model(input_ids, positions, meta)
 
     @torch.inference_mode()

@@ -48,25 +48,31 @@ class SelfAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        return self.o_proj(self.attn(self.project(positions, x, meta.slot_mapping), meta))
+
+    def project(
+        self, positions: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """q, k, v of the tokens: k and v into the cache at `slots`; returns rotated q."""
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
         if q.is_cuda:  # one fused kernel: q rotated in place, k and v into the cache
-            self._qk_rope_store_fused(positions, q, k, v, meta)
-        else:
-            q, _ = qk_rope_store_ref(
-                q,
-                k,
-                v,
-                positions,
-                self.rotary,
-                self.attn.kv_cache,
-                meta.slot_mapping,
-                self.q_norm,
-                self.k_norm,
-            )
-        return self.o_proj(self.attn(q, meta))
+            self._qk_rope_store_fused(positions, q, k, v, slots)
+            return q
+        q, _ = qk_rope_store_ref(
+            q,
+            k,
+            v,
+            positions,
+            self.rotary,
+            self.attn.kv_cache,
+            slots,
+            self.q_norm,
+            self.k_norm,
+        )
+        return q
 
     def _qk_rope_store_fused(
         self,
@@ -74,7 +80,7 @@ class SelfAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        meta: AttentionMetadata,
+        slots: torch.Tensor,
     ) -> None:
         q_norm, k_norm = self.q_norm, self.k_norm
         triton_kernels("qk_rope").qk_rope_store(
@@ -85,7 +91,7 @@ class SelfAttention(nn.Module):
             self.rotary.cos,
             self.rotary.sin,
             self.attn.kv_cache,
-            meta.slot_mapping,
+            slots,
             q_norm.weight if q_norm is not None else None,
             k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0,
@@ -118,12 +124,28 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, residual = self.attention_input(positions, x, residual, meta.slot_mapping)
+        return self.attention_output(self.self_attn.attn(q, meta), residual)
+
+    def attention_input(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: (rotated q, the residual stream)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return self.self_attn.project(positions, x, slots), residual
+
+    def attention_output(
+        self, attn: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention: (MLP output, the residual stream)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(x), residual
 
 
@@ -145,6 +167,33 @@ class DecoderModel(nn.Module):
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    # The forward pass cut at each attention, for piecewise CUDA graphs
+    # (shoal.engine.piecewise_graphs): head, attention 0, between(1), attention 1, ...,
+    # between(L - 1), attention L - 1, tail.
+
+    def head(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding and the first layer up to its attention: (q, residual)."""
+        return self.layers[0].attention_input(positions, self.embed_tokens(input_ids), None, slots)
+
+    def between(
+        self,
+        i: int,
+        attn: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i - 1 after its attention, then layer i up to its: (q, residual)."""
+        x, residual = self.layers[i - 1].attention_output(attn, residual)
+        return self.layers[i].attention_input(positions, x, residual, slots)
+
+    def tail(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer after its attention and the final norm: the hidden states."""
+        x, residual = self.layers[-1].attention_output(attn, residual)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -159,6 +159,7 @@ class _Follower:
             max_num_seqs=build.max_num_seqs,
             max_model_len=build.max_model_len,
             enforce_eager=build.enforce_eager,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
             tp=self.tp,
         )
 

@@ -1,0 +1,124 @@
+"""The forward pass cut at each attention: the pieces equal the whole (CPU), and their CUDA
+graphs, replayed around eager attention, equal the eager forward pass (GPU)."""
+
+import pytest
+import torch
+
+from shoal.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, token_count_ladder
+from shoal.layers.attention import AttentionMetadata
+from shoal.models.config import ModelConfig
+from shoal.models.loader import load_model
+
+BLOCK = 4
+NUM_BLOCKS = 64
+
+
+def build(model_dir, device: str) -> torch.nn.Module:
+    cfg = ModelConfig.from_dir(model_dir, "float32")
+    model = load_model(model_dir, cfg, device)
+    for layer in model.attention_layers():
+        shape = (2, NUM_BLOCKS, BLOCK, layer.num_kv_heads, layer.head_dim)
+        layer.kv_cache = torch.zeros(shape, device=device)
+    return model
+
+
+def mixed_batch(model, device: str, cached: list[int], new: list[int], seed: int = 0):
+    """Sequences with `cached[i]` tokens in the cache already and `new[i]` tokens this step
+    (1: a decode), as the runner lays them out: (input_ids, positions, slots, meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids, positions, slots, tables = [], [], [], []
+    next_block = 0
+    for c, n in zip(cached, new, strict=True):
+        blocks = list(range(next_block, next_block + -(-(c + n) // BLOCK)))
+        next_block += len(blocks)
+        tables.append(blocks)
+        for p in range(c, c + n):
+            positions.append(p)
+            slots.append(blocks[p // BLOCK] * BLOCK + p % BLOCK)
+        ids += torch.randint(0, vocab, (n,), generator=gen).tolist()
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = [c + n for c, n in zip(cached, new, strict=True)]
+    starts = torch.tensor([0, *new], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        block_tables=table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=starts.to(device),
+        max_query_len=max(new),
+        query_lens_host=list(new),
+        seq_lens_host=seq_lens,
+    )
+    return torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta
+
+
+def fill_cache(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for layer in model.attention_layers():
+        cache = torch.randn(layer.kv_cache.shape, generator=gen)
+        layer.kv_cache.copy_(cache.to(layer.kv_cache.device))
+
+
+def caches(model) -> list[torch.Tensor]:
+    return [layer.kv_cache.clone() for layer in model.attention_layers()]
+
+
+def by_pieces(model, ids, positions, meta) -> torch.Tensor:
+    decoder, attention = model.model, model.attention_layers()
+    slots = meta.slot_mapping
+    q, residual = decoder.head(ids, positions, slots)
+    for i, attend in enumerate(attention):
+        attn = attend(q, meta)
+        if i + 1 < len(attention):
+            q, residual = decoder.between(i + 1, attn, residual, positions, slots)
+    return decoder.tail(attn, residual)
+
+
+def test_ladder():
+    assert token_count_ladder(13) == [13]
+    assert token_count_ladder(100) == [64, 100]
+    full = token_count_ladder(16384)
+    assert full[:3] == [64, 128, 192] and full[-1] == MAX_TOKENS
+    assert full == sorted(set(full)) and 1024 in full and 1152 in full
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_pieces_compose_to_the_forward_pass(model_dirs, arch):
+    model = build(model_dirs[arch], "cpu")
+    ids, positions, meta = mixed_batch(model, "cpu", cached=[0, 9, 5, 17], new=[7, 1, 12, 1])
+    with torch.inference_mode():
+        fill_cache(model, seed=1)
+        whole = model(ids, positions, meta)
+        cache_whole = caches(model)
+        fill_cache(model, seed=1)
+        pieces = by_pieces(model, ids, positions, meta)
+    assert torch.equal(pieces, whole)
+    for a, b in zip(caches(model), cache_whole, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graphs_equal_the_eager_forward_pass(model_dirs, arch):
+    model = build(model_dirs[arch], "cuda")
+    graphs = PiecewiseGraphs(model, torch.device("cuda"), max_tokens=200)
+    graphs.capture()
+    assert graphs.sizes == [64, 128, 192, 200]
+    batches = [
+        ([0, 9, 5, 17], [7, 1, 12, 1]),  # 21 tokens, padded to 64
+        ([0], [64]),  # exactly a size
+        ([3, 0, 30], [1, 150, 20]),  # 171 tokens, padded to 192
+    ]
+    for seed, (cached, new) in enumerate(batches):
+        ids, positions, meta = mixed_batch(model, "cuda", cached, new, seed=seed)
+        with torch.inference_mode():
+            fill_cache(model, seed=seed)
+            eager = model(ids, positions, meta)
+            cache_eager = caches(model)
+            fill_cache(model, seed=seed)
+            replayed = graphs.run(ids, positions, meta.slot_mapping, meta).clone()
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+        for a, b in zip(caches(model), cache_eager, strict=True):  # padding wrote nothing
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
