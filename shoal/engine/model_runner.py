@@ -281,13 +281,21 @@ class ModelRunner:
                 batch.seq_lens,
                 patch,
             )
-        input_ids, positions, slots, block_table, seq_lens, query_start = self.staging.to_device(
+        arrays = [
             batch.input_ids,
             batch.positions,
             batch.slots,
             batch.block_table,
             batch.seq_lens,
             batch.query_start,
+        ]
+        num_decodes = 0
+        if not is_decode and self.decode_workspace is not None:
+            num_decodes = int(np.argmax(np.diff(batch.query_start) != 1))
+            if num_decodes:
+                arrays.append(batch.query_start[num_decodes:] - num_decodes)
+        input_ids, positions, slots, block_table, seq_lens, query_start, *rest = (
+            self.staging.to_device(*arrays)
         )
         if patch is not None:
             patch(input_ids)
@@ -299,7 +307,9 @@ class ModelRunner:
             max_query_len=max(batch.query_lens),
             query_lens_host=batch.query_lens,
             seq_lens_host=batch.seq_lens_host,
-            decode_workspace=self.decode_workspace if is_decode else None,
+            decode_workspace=self.decode_workspace if is_decode or num_decodes else None,
+            num_decodes=num_decodes,
+            prefill_query_start=rest[0] if rest else None,
         )
         mixed = self.mixed_graphs
         if not is_decode and mixed is not None and mixed.fits(len(batch.input_ids)):

@@ -28,6 +28,11 @@ class AttentionMetadata:
     query_lens_host: list[int]  # host copies, for the reference path
     seq_lens_host: list[int]
     decode_workspace: object | None = None  # DecodeWorkspace when decode batches use it
+    # A mixed batch's leading sequences with one new token (decodes), which the decode kernel
+    # runs, and the query offsets of the sequences after them (from 0), which the prefill
+    # kernel runs; 0 and None: the prefill kernel runs them all.
+    num_decodes: int = 0
+    prefill_query_start: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -62,12 +67,35 @@ class Attention(nn.Module):
                 self.scale,
                 meta.decode_workspace,
             )
-        return kernels.prefill_attention(
-            q,
+        split = meta.num_decodes
+        if split == 0 or meta.decode_workspace is None:
+            return kernels.prefill_attention(
+                q,
+                self.kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                meta.max_query_len,
+                self.scale,
+            )
+        out = torch.empty_like(q)
+        kernels.decode_attention(
+            q[:split],
             self.kv_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
+            meta.block_tables[:split],
+            meta.seq_lens[:split],
+            self.scale,
+            meta.decode_workspace,
+            out=out[:split],
+        )
+        kernels.prefill_attention(
+            q[split:],
+            self.kv_cache,
+            meta.block_tables[split:],
+            meta.seq_lens[split:],
+            meta.prefill_query_start,
             meta.max_query_len,
             self.scale,
+            out=out[split:],
         )
+        return out

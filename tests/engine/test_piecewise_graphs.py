@@ -1,5 +1,5 @@
 """The forward pass cut at each attention: the pieces equal the whole (CPU), and their CUDA
-graphs, replayed around eager attention, equal the eager forward pass (GPU)."""
+graphs, replayed around eager attention, equal the CPU forward pass (GPU)."""
 
 import pytest
 import torch
@@ -22,9 +22,12 @@ def build(model_dir, device: str) -> torch.nn.Module:
     return model
 
 
-def mixed_batch(model, device: str, cached: list[int], new: list[int], seed: int = 0):
+def mixed_batch(
+    model, device: str, cached: list[int], new: list[int], seed: int = 0, workspace=None
+):
     """Sequences with `cached[i]` tokens in the cache already and `new[i]` tokens this step
-    (1: a decode), as the runner lays them out: (input_ids, positions, slots, meta)."""
+    (1: a decode), as the runner lays them out: (input_ids, positions, meta). With a decode
+    workspace, the leading decodes go to the decode kernel, as the runner has them."""
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     ids, positions, slots, tables = [], [], [], []
@@ -41,6 +44,7 @@ def mixed_batch(model, device: str, cached: list[int], new: list[int], seed: int
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     seq_lens = [c + n for c, n in zip(cached, new, strict=True)]
     starts = torch.tensor([0, *new], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    decodes = next((i for i, n in enumerate(new) if n != 1), len(new)) if workspace else 0
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=device),
         block_tables=table.to(device),
@@ -49,6 +53,9 @@ def mixed_batch(model, device: str, cached: list[int], new: list[int], seed: int
         max_query_len=max(new),
         query_lens_host=list(new),
         seq_lens_host=seq_lens,
+        decode_workspace=workspace,
+        num_decodes=decodes,
+        prefill_query_start=(starts[decodes:] - decodes).to(device) if decodes else None,
     )
     return torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta
 
@@ -101,24 +108,31 @@ def test_pieces_compose_to_the_forward_pass(model_dirs, arch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_graphs_equal_the_eager_forward_pass(model_dirs, arch):
+def test_graphs_equal_the_cpu_forward_pass(model_dirs, arch):
+    """Replayed pieces around eager attention (decodes of a mixed batch on the decode
+    kernel) against the CPU reference; padding writes no KV."""
+    from shoal.kernels.paged_attention import DecodeWorkspace
+
+    cpu = build(model_dirs[arch], "cpu")
     model = build(model_dirs[arch], "cuda")
+    first = model.attention_layers()[0]
+    workspace = DecodeWorkspace(8, first.num_heads, first.head_dim, 16, "cuda")
     graphs = PiecewiseGraphs(model, torch.device("cuda"), max_tokens=200)
     graphs.capture()
     assert graphs.sizes == [64, 128, 192, 200]
     batches = [
         ([0, 9, 5, 17], [7, 1, 12, 1]),  # 21 tokens, padded to 64
         ([0], [64]),  # exactly a size
-        ([3, 0, 30], [1, 150, 20]),  # 171 tokens, padded to 192
+        ([40, 3, 60, 0, 30], [1, 1, 1, 150, 20]),  # three decodes first; 173 tokens
     ]
     for seed, (cached, new) in enumerate(batches):
-        ids, positions, meta = mixed_batch(model, "cuda", cached, new, seed=seed)
+        ids, positions, meta = mixed_batch(model, "cuda", cached, new, seed, workspace)
+        ref_ids, ref_positions, ref_meta = mixed_batch(cpu, "cpu", cached, new, seed)
         with torch.inference_mode():
+            fill_cache(cpu, seed=seed)
+            expected = cpu(ref_ids, ref_positions, ref_meta)
             fill_cache(model, seed=seed)
-            eager = model(ids, positions, meta)
-            cache_eager = caches(model)
-            fill_cache(model, seed=seed)
-            replayed = graphs.run(ids, positions, meta.slot_mapping, meta).clone()
-        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
-        for a, b in zip(caches(model), cache_eager, strict=True):  # padding wrote nothing
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            replayed = graphs.run(ids, positions, meta.slot_mapping, meta).cpu()
+        torch.testing.assert_close(replayed, expected, rtol=1e-3, atol=2e-4)
+        for a, b in zip(caches(model), caches(cpu), strict=True):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-3, atol=2e-4)
