@@ -10,7 +10,7 @@ from shoal.models.config import ModelConfig
 from shoal.models.loader import load_model
 
 BLOCK = 4
-NUM_BLOCKS = 64
+NUM_BLOCKS = 128
 
 
 def build(model_dir, device: str) -> torch.nn.Module:
