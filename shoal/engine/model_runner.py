@@ -307,10 +307,10 @@ class ModelRunner:
             max_query_len=max(batch.query_lens),
             query_lens_host=batch.query_lens,
             seq_lens_host=batch.seq_lens_host,
-            decode_workspace=self.decode_workspace if is_decode or num_decodes else None,
-            num_decodes=num_decodes,
-            prefill_query_start=rest[0] if rest else None,
+            decode_workspace=self.decode_workspace if is_decode else None,
         )
+        if num_decodes:
+            meta.cut(num_decodes, rest[0], self.decode_workspace)
         mixed = self.mixed_graphs
         if not is_decode and mixed is not None and mixed.fits(len(batch.input_ids)):
             return mixed.run(input_ids, positions, slots, meta)

@@ -113,8 +113,9 @@ class PiecewiseGraphs:
         self.slots[num:size].fill_(-1)
         graphs = self.graphs[size]
         graphs[0].replay()
-        q, attn = self.q[:num], self.attn[:num]
+        q = self.q[:num]
+        attn = self.attn[:num].view(q.shape)
         for attention, graph in zip(self.attention, graphs[1:], strict=True):
-            attn.copy_(attention(q, meta))
+            attention(q, meta, out=attn)
             graph.replay()
         return self.hidden[:num]

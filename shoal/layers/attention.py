@@ -28,11 +28,35 @@ class AttentionMetadata:
     query_lens_host: list[int]  # host copies, for the reference path
     seq_lens_host: list[int]
     decode_workspace: object | None = None  # DecodeWorkspace when decode batches use it
-    # A mixed batch's leading sequences with one new token (decodes), which the decode kernel
-    # runs, and the query offsets of the sequences after them (from 0), which the prefill
-    # kernel runs; 0 and None: the prefill kernel runs them all.
-    num_decodes: int = 0
-    prefill_query_start: torch.Tensor | None = None
+    # A mixed batch cut in two: its leading sequences with one new token (decodes, run by
+    # the decode kernel) and the sequences after them (the prefill kernel), each described
+    # from its own first token. None: the prefill kernel runs the whole batch.
+    split: tuple[AttentionMetadata, AttentionMetadata] | None = None
+
+    def cut(self, num_decodes: int, prefill_query_start: torch.Tensor, workspace) -> None:
+        """Set `split` at `num_decodes` (prefill_query_start: query_start_loc of the
+        sequences after them, from 0; workspace: the decode kernel's DecodeWorkspace)."""
+        d, tokens = num_decodes, int(self.slot_mapping.shape[0])
+        decodes = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:d],
+            block_tables=self.block_tables[:d],
+            seq_lens=self.seq_lens[:d],
+            query_start_loc=self.query_start_loc[: d + 1],
+            max_query_len=1,
+            query_lens_host=self.query_lens_host[:d],
+            seq_lens_host=self.seq_lens_host[:d],
+            decode_workspace=workspace,
+        )
+        rest = AttentionMetadata(
+            slot_mapping=self.slot_mapping[d:tokens],
+            block_tables=self.block_tables[d:],
+            seq_lens=self.seq_lens[d:],
+            query_start_loc=prefill_query_start,
+            max_query_len=self.max_query_len,
+            query_lens_host=self.query_lens_host[d:],
+            seq_lens_host=self.seq_lens_host[d:],
+        )
+        self.split = (decodes, rest)
 
 
 class Attention(nn.Module):
@@ -42,11 +66,14 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, heads, head_dim] -> [T, heads * head_dim]."""
+    def forward(
+        self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> [T, heads * head_dim] (written into `out`, [T, heads,
+        head_dim], if given)."""
         if q.is_cuda:
-            return self._forward_triton(q, meta).flatten(1)
-        out = paged_attention_ref(
+            return self._forward_triton(q, meta, out).flatten(1)
+        result = paged_attention_ref(
             q,
             self.kv_cache,
             meta.block_tables,
@@ -54,9 +81,13 @@ class Attention(nn.Module):
             meta.seq_lens_host,
             self.scale,
         )
-        return out.flatten(1)
+        if out is not None:
+            result = out.copy_(result)
+        return result.flatten(1)
 
-    def _forward_triton(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_triton(
+        self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None
+    ) -> torch.Tensor:
         kernels = triton_kernels("paged_attention")
         if meta.max_query_len == 1 and meta.decode_workspace is not None:
             return kernels.decode_attention(
@@ -66,9 +97,9 @@ class Attention(nn.Module):
                 meta.seq_lens,
                 self.scale,
                 meta.decode_workspace,
+                out=out,
             )
-        split = meta.num_decodes
-        if split == 0 or meta.decode_workspace is None:
+        if meta.split is None:
             return kernels.prefill_attention(
                 q,
                 self.kv_cache,
@@ -77,25 +108,11 @@ class Attention(nn.Module):
                 meta.query_start_loc,
                 meta.max_query_len,
                 self.scale,
+                out=out,
             )
-        out = torch.empty_like(q)
-        kernels.decode_attention(
-            q[:split],
-            self.kv_cache,
-            meta.block_tables[:split],
-            meta.seq_lens[:split],
-            self.scale,
-            meta.decode_workspace,
-            out=out[:split],
-        )
-        kernels.prefill_attention(
-            q[split:],
-            self.kv_cache,
-            meta.block_tables[split:],
-            meta.seq_lens[split:],
-            meta.prefill_query_start,
-            meta.max_query_len,
-            self.scale,
-            out=out[split:],
-        )
+        decodes, rest = meta.split
+        out = torch.empty_like(q) if out is None else out
+        d = len(decodes.query_lens_host)
+        self._forward_triton(q[:d], decodes, out[:d])
+        self._forward_triton(q[d:], rest, out[d:])
         return out

@@ -53,10 +53,9 @@ def mixed_batch(
         max_query_len=max(new),
         query_lens_host=list(new),
         seq_lens_host=seq_lens,
-        decode_workspace=workspace,
-        num_decodes=decodes,
-        prefill_query_start=(starts[decodes:] - decodes).to(device) if decodes else None,
     )
+    if decodes:
+        meta.cut(decodes, (starts[decodes:] - decodes).to(device), workspace)
     return torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta
 
 
@@ -103,6 +102,21 @@ def test_pieces_compose_to_the_forward_pass(model_dirs, arch):
     assert torch.equal(pieces, whole)
     for a, b in zip(caches(model), cache_whole, strict=True):
         assert torch.equal(a, b)
+
+
+def test_cut_parts_attend_like_the_whole(model_dirs):
+    """Each part of a cut batch, run alone, gives its rows of the whole batch's attention."""
+    model = build(model_dirs["qwen3"], "cpu")
+    *_, meta = mixed_batch(model, "cpu", cached=[40, 3, 0, 30], new=[1, 1, 15, 20])
+    meta.cut(2, torch.tensor([0, 15, 35], dtype=torch.int32), workspace=None)
+    decodes, rest = meta.split
+    assert decodes.query_lens_host == [1, 1] and rest.seq_lens_host == [15, 50]
+    layer = model.attention_layers()[0]
+    fill_cache(model, seed=3)
+    q = torch.randn(37, layer.num_heads, layer.head_dim)
+    whole = layer(q, meta)
+    parts = torch.cat([layer(q[:2], decodes), layer(q[2:], rest)])
+    torch.testing.assert_close(parts, whole)
 
 
 @pytest.mark.gpu
