@@ -78,7 +78,7 @@ def test_the_router_finds_the_engines_blocks_by_its_own_hash():
     request = Request(
         "r", prompt, SamplingParams(), frozenset(), 8, extra_key=extra_key(2), lora_id=2
     )
-    kv = KVCacheManager(num_blocks=32, block_size=16)
+    kv = KVCacheManager(num_blocks=32, block_size=16, record_events=True)
     computed, hit_tokens = kv.get_computed_blocks(request)
     assert kv.allocate_slots(request, request.num_tokens - hit_tokens, computed)
     request.num_computed_tokens = request.num_tokens

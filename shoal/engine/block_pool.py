@@ -65,12 +65,17 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, block_size: int, record_events: bool = False
+    ) -> None:
+        """record_events: keep the KV events (BlockStored, BlockRemoved, AllBlocksCleared) for
+        take_events; off, none are kept (nobody would take them: an offline engine)."""
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # block hash -> block holding that content
         self.enable_caching = enable_caching
         self.block_size = block_size
+        self.record_events = record_events
         self.events: list[KVEvent] = []
         self.event_time = time.time()
         # steps launched so far: a block freed since the last launch may still be read or
@@ -98,7 +103,8 @@ class BlockPool:
         h = block.block_hash
         if self.cached.get(h) is block:
             del self.cached[h]
-            self.events.append(BlockRemoved(block_hashes=[h]))
+            if self.record_events:
+                self.events.append(BlockRemoved(block_hashes=[h]))
         block.block_hash = None
 
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -136,7 +142,8 @@ class BlockPool:
         token_ids: list[int],
         lora_id: int | None,
     ) -> None:
-        """Register newly filled blocks in the prefix cache, recording BlockStored events.
+        """Register newly filled blocks in the prefix cache, recording BlockStored events (if
+        record_events).
 
         token_ids holds the tokens of `blocks`, block after block. A block whose content is
         already cached elsewhere stays out of the map; each run of newly stored blocks gives
@@ -153,14 +160,15 @@ class BlockPool:
                 run.append(h)
                 continue
             if run:
-                self._stored(run, run_start, parent_hash, hashes, token_ids, lora_id)
+                if self.record_events:
+                    self._stored(run, run_start, parent_hash, hashes, token_ids, lora_id)
                 run = []
-        if run:
+        if run and self.record_events:
             self._stored(run, run_start, parent_hash, hashes, token_ids, lora_id)
 
     def _stored(self, run, start, parent_hash, hashes, token_ids, lora_id) -> None:
         size = self.block_size
-        self.events.append(
+        self.record(
             BlockStored(
                 block_hashes=run,
                 parent_block_hash=hashes[start - 1] if start else parent_hash,
@@ -177,8 +185,13 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
-        self.events.append(AllBlocksCleared())
+        self.record(AllBlocksCleared())
         return True
+
+    def record(self, event: KVEvent) -> None:
+        """Keep a KV event for take_events (dropped unless record_events)."""
+        if self.record_events:
+            self.events.append(event)
 
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []

@@ -27,11 +27,17 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        record_events: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching, block_size)
+        self.pool = BlockPool(num_blocks, enable_caching, block_size, record_events)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.block_table = BlockTable()  # the same block ids, one numpy row per request
         self.rows: dict[str, int] = {}  # request id -> its row of block_table

@@ -697,7 +697,12 @@ class LLMEngine:
 
     # ---- state for the serving layer
 
+    def enable_kv_events(self) -> None:
+        """Keep the KV events from now on, for take_kv_events (a worker publishing them)."""
+        self.kv.pool.record_events = True
+
     def take_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call (none unless enable_kv_events was called)."""
         return self.kv.take_events()
 
     def reset_prefix_cache(self) -> bool:

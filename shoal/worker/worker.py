@@ -282,7 +282,9 @@ async def serve_worker(
     def on_dead(_exc: BaseException) -> None:
         loop.call_soon_threadsafe(died.set)
 
-    engine = AsyncLLM(await asyncio.to_thread(make_engine), on_step, on_dead)
+    core = await asyncio.to_thread(make_engine)
+    core.enable_kv_events()
+    engine = AsyncLLM(core, on_step, on_dead)
     metrics.update(engine.engine)
     if metrics_port is not None:
         metrics.serve(metrics_port, host, healthy=lambda: engine.alive)

@@ -5,7 +5,7 @@ from shoal.engine.block_table import BlockTable
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.request import Request
 from shoal.kv_hash import hash_blocks
-from shoal.protocol import BlockRemoved, BlockStored, SamplingParams
+from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, SamplingParams
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:
@@ -49,7 +49,7 @@ def test_full_prompt_hit_leaves_one_token_to_compute():
 
 
 def test_lru_eviction_order_and_removed_events():
-    kv = KVCacheManager(num_blocks=4, block_size=2)
+    kv = KVCacheManager(num_blocks=4, block_size=2, record_events=True)
     first, second = make_request("a", [1, 2, 3, 4]), make_request("b", [5, 6, 7, 8])
     for req in (first, second):
         run_prefill(kv, req)
@@ -77,7 +77,7 @@ def test_hit_on_free_block_takes_it_off_the_free_queue():
 
 
 def test_stored_events_chain_parent_hashes():
-    kv = KVCacheManager(num_blocks=8, block_size=2)
+    kv = KVCacheManager(num_blocks=8, block_size=2, record_events=True)
     req = make_request("a", [1, 2, 3, 4, 5])
     run_prefill(kv, req)
     (event,) = kv.take_events()
@@ -91,6 +91,18 @@ def test_stored_events_chain_parent_hashes():
     (event,) = kv.take_events()
     assert event.parent_block_hash == hash_blocks([1, 2, 3, 4], 2)[-1]
     assert event.token_ids == [5, 6]
+
+
+def test_events_are_kept_only_when_asked_for():
+    """An engine nobody takes events from (offline) keeps none: they would pile up."""
+    quiet, recording = KVCacheManager(8, 2), KVCacheManager(8, 2, record_events=True)
+    for kv in (quiet, recording):
+        req = make_request("a", [1, 2, 3, 4, 5])
+        run_prefill(kv, req)
+        kv.free(req)
+        assert kv.reset_prefix_cache()
+    assert quiet.take_events() == []
+    assert [type(e) for e in recording.take_events()] == [BlockStored, AllBlocksCleared]
 
 
 def test_reset_prefix_cache_only_when_idle():

@@ -133,6 +133,7 @@ def test_capacity_lru_and_move_down_per_tier(llama_dir, tmp_path):
     )
     offload = llm.engine.kv.offload
     assert (offload.host.capacity, offload.disk.capacity) == (4, 2)
+    llm.engine.enable_kv_events()
     prompts = {name: [5 + i] * (2 * BLOCK + 1) for i, name in enumerate("ABCDE")}
     for prompt in prompts.values():
         llm.generate([prompt], FILLER)

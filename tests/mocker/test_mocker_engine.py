@@ -91,6 +91,7 @@ def test_every_request_runs_to_max_tokens_from_the_vocabulary(mock_dir):
 
 def test_shared_prefix_hits_the_cache_and_events_carry_the_block_hashes(mock_dir):
     engine = make(mock_dir)
+    engine.enable_kv_events()
     prompt = list(range(10, 50))  # 40 tokens: 2 full blocks of 16
     first = run(engine, request("a", prompt, max_tokens=4))
     assert first["a"][0].num_cached_tokens == 0

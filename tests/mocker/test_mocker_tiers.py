@@ -77,6 +77,7 @@ def test_host_tier_hits_are_counted_and_their_copy_is_in_the_ttft(mock_dir):
     assert off_ttft == pytest.approx([prefill(prompt_len(t)) for t in range(3)])
 
     engine = make(mock_dir, kv_offload_cpu_gb=gib(200))
+    engine.enable_kv_events()
     cached, ttfts = conversation(engine)
     offload = engine.kv.offload
     stats = offload.stats[MEDIUM_CPU]

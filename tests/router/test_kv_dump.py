@@ -38,7 +38,7 @@ def serve(kv: KVCacheManager, request: Request, output: int) -> None:
 def test_a_dump_rebuilds_what_the_events_built(seed):
     rng = random.Random(seed)
     prefixes = [[rng.randrange(4, 500) for _ in range(BLOCK * rng.randint(1, 6))] for _ in range(8)]
-    kv = KVCacheManager(num_blocks=48, block_size=BLOCK)  # small: blocks get evicted
+    kv = KVCacheManager(num_blocks=48, block_size=BLOCK, record_events=True)  # small: evicts
     cached, followed = CachedBlocks(), KvIndexer()
     for i in range(200):
         lora = rng.choice([None, None, 3])

@@ -313,6 +313,8 @@ class OffloadManager:
 
     def _announce(self, metas: list[BlockMeta], medium: str) -> None:
         """BlockStored events for these blocks, one per chained run."""
+        if not self.pool.record_events:
+            return
         run: list[BlockMeta] = []
         for meta in metas:
             if run and meta.parent != run[-1].block_hash:
@@ -323,7 +325,7 @@ class OffloadManager:
             self._stored_event(run, medium)
 
     def _stored_event(self, run: list[BlockMeta], medium: str) -> None:
-        self.pool.events.append(
+        self.pool.record(
             BlockStored(
                 block_hashes=[m.block_hash for m in run],
                 parent_block_hash=run[0].parent,
@@ -335,4 +337,4 @@ class OffloadManager:
         )
 
     def _removed(self, block_hashes: list[int], medium: str) -> None:
-        self.pool.events.append(BlockRemoved(block_hashes=block_hashes, medium=medium))
+        self.pool.record(BlockRemoved(block_hashes=block_hashes, medium=medium))
