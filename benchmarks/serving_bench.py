@@ -9,8 +9,11 @@ process of its own, then through `shoal serve --workers 1 --load-format dummy` d
 full vocabulary so prompts are token-exact), and prints serve / engine output tok/s, over
 the whole run and at full load (bench.metrics.saturated_output_rate). Both halves use the
 same engine settings, prefix caching included (--prefix-caching; earlier records, which
-have no `prefix_caching` field, ran the engine half without it and `shoal serve` with it).
-Appends the figures to benchmarks/results/serving.jsonl.
+have no `prefix_caching` field, ran the engine half without it and `shoal serve` with it),
+and the same sampling: greedy, ignore_eos, no min_tokens (records without a `sampling`
+field ran `shoal serve` at the API's default temperature 1.0 with min_tokens = max_tokens,
+more work per step than the engine half's greedy decoding). Appends the figures to
+benchmarks/results/serving.jsonl.
 """
 
 from __future__ import annotations
@@ -223,6 +226,7 @@ def serve_half(args: argparse.Namespace, out_dir: Path) -> dict:
         bench += ["--num-requests", str(args.num_requests)]
         bench += ["--input-len", f"uniform:{args.min_len}:{args.max_len}"]
         bench += ["--output-len", f"uniform:{args.min_len}:{args.max_len}"]
+        bench += ["--extra-body", '{"temperature": 0}', "--no-min-tokens"]  # as the engine half
         bench += ["--warmup", "8", "--no-progress", "--no-plots", "--out", str(out_dir)]
         subprocess.run(bench, check=True, cwd=ROOT)
     doc = json.loads((out_dir / "results.json").read_text())
@@ -274,6 +278,7 @@ def main() -> None:
             "seed": args.seed,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "prefix_caching": args.prefix_caching,
+            "sampling": "greedy, ignore_eos",
             "serve_args": args.serve_args,
         },
     }
