@@ -144,6 +144,17 @@ def saturated_output_rate(
     return float((np.minimum(count, 1) * in_first + rest).sum() / (hi - lo))
 
 
+def full_load_ttfts(
+    start_s: Sequence[float], ttft_s: Sequence[float], end_s: Sequence[float]
+) -> list[float]:
+    """The TTFTs of the requests sent at full load (once the first request has ended): what
+    a steady load waits for its first token, without the opening burst's prefill queue."""
+    if not end_s:
+        return []
+    first_end = min(end_s)
+    return [t for s, t in zip(start_s, ttft_s, strict=True) if s >= first_end]
+
+
 def summarize(
     records: Sequence[RequestRecord],
     slo: dict[str, float] | None = None,
@@ -187,6 +198,12 @@ def summarize(
         "mean_in_flight": sum(r.e2e_s for r in sent) * per_s,
         "latency_ms": {
             "ttft": stats(v for r in ok if (v := request_ms(r, "ttft")) is not None),
+            "ttft_full_load": stats(
+                1e3 * t
+                for t in full_load_ttfts(
+                    [r.start_s for r in timed], [r.ttft_s for r in timed], [r.end_s for r in timed]
+                )
+            ),
             "itl": stats(x * 1e3 for r in ok for x in r.itl_s),
             "tpot": stats(v for r in ok if (v := request_ms(r, "tpot")) is not None),
             "e2e": stats(r.e2e_s * 1e3 for r in ok),

@@ -139,6 +139,12 @@ def format_run(run: Run) -> str:
             f"            {tp['saturated_output_tokens_per_s']:,.1f} output tok/s at full load "
             "(from the first end to the last first token)"
         )
+    full_load = s["latency_ms"].get("ttft_full_load")
+    if full_load is not None:
+        lines.append(
+            f"            TTFT p50 {full_load['p50']:,.1f} ms of the {full_load['count']} "
+            "requests sent at full load (after the first end)"
+        )
     if s["goodput"]:
         g = s["goodput"]
         slo = " ".join(f"{k}<={v:g}ms" for k, v in g["slo_ms"].items())

@@ -9,6 +9,7 @@ from bench_helpers import run_sessions
 from shoal.bench.client import RequestRecord
 from shoal.bench.loadgen import LoadShape
 from shoal.bench.metrics import (
+    full_load_ttfts,
     meets_slo,
     parse_slo,
     saturated_output_rate,
@@ -140,3 +141,10 @@ def test_saturated_output_rate_ignores_ramp_and_drain():
     rate = saturated_output_rate(firsts, ends, tokens)
     assert rate == pytest.approx(4.0, rel=0.05)
     assert sum(tokens) / (max(ends) - min(firsts)) < 0.6 * rate  # the whole-run rate
+
+
+def test_full_load_ttfts_leave_out_the_opening_burst():
+    # two requests sent at 0 (TTFT 5 and 7), the first ends at 10; two sent after it
+    starts, ttfts, ends = [0.0, 0.0, 10.0, 12.0], [5.0, 7.0, 1.0, 2.0], [10.0, 14.0, 20.0, 22.0]
+    assert full_load_ttfts(starts, ttfts, ends) == [1.0, 2.0]
+    assert full_load_ttfts([], [], []) == []
