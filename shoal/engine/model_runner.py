@@ -289,7 +289,7 @@ class ModelRunner:
             batch.seq_lens,
             batch.query_start,
         ]
-        num_decodes = 0
+        num_decodes = 0  # a mixed batch's leading sequences with one new token
         if not is_decode and self.decode_workspace is not None:
             num_decodes = int(np.argmax(np.diff(batch.query_start) != 1))
             if num_decodes:

@@ -3,12 +3,13 @@
 A batch that mixes prompt chunks with decodes has a different shape at every step, so the
 decode graphs (one per batch size, attention inside) do not fit it, and run eagerly its
 forward pass costs a kernel launch per operation: on a small model the host spends longer
-launching than the device computing (Qwen3-0.6B, ~950 tokens: 17 ms of launches for about
-4 ms of work on the H100 host). Here the forward pass is cut at each layer's attention
-(the model's head / between / tail); each piece is captured once per padded token count of
-a ladder, and a step replays the pieces of the smallest count that holds it, running only
-the attention kernels eagerly, on the batch's real tokens, between them. Padding tokens
-have slot -1 (their k and v are not written) and their rows are never read.
+launching than the device computing (Qwen3-0.6B, a prompt beside 255 decodes, ~950 tokens:
+17 ms of launches on the H100 host, 6 ms replayed). Here the forward pass is cut at each
+layer's attention (the model's head / between / tail); each piece is captured once per
+padded token count of a ladder, and a step replays the pieces of the smallest count that
+holds it, running only the attention kernels eagerly, on the batch's real tokens, between
+them. Padding tokens have slot -1 (their k and v are not written) and their rows are never
+read.
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ class PiecewiseGraphs:
         self.residual[:size].copy_(new_residual)
 
     @torch.inference_mode()
-    def capture(self, pool=None) -> float:
+    def capture(self) -> float:
         """Capture every piece at every size (largest first, in one memory pool)."""
         t0 = time.perf_counter()
-        pieces = len(self.attention) + 1
+        pieces, pool = len(self.attention) + 1, None
         for size in reversed(self.sizes):
             for index in range(pieces):
                 self._piece(index, size)  # warm-up: compiles kernels for this shape

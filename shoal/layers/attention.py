@@ -33,10 +33,12 @@ class AttentionMetadata:
     # from its own first token. None: the prefill kernel runs the whole batch.
     split: tuple[AttentionMetadata, AttentionMetadata] | None = None
 
-    def cut(self, num_decodes: int, prefill_query_start: torch.Tensor, workspace) -> None:
+    def cut(
+        self, num_decodes: int, prefill_query_start: torch.Tensor, workspace: object | None
+    ) -> None:
         """Set `split` at `num_decodes` (prefill_query_start: query_start_loc of the
         sequences after them, from 0; workspace: the decode kernel's DecodeWorkspace)."""
-        d, tokens = num_decodes, int(self.slot_mapping.shape[0])
+        d = num_decodes
         decodes = AttentionMetadata(
             slot_mapping=self.slot_mapping[:d],
             block_tables=self.block_tables[:d],
@@ -48,7 +50,7 @@ class AttentionMetadata:
             decode_workspace=workspace,
         )
         rest = AttentionMetadata(
-            slot_mapping=self.slot_mapping[d:tokens],
+            slot_mapping=self.slot_mapping[d:],
             block_tables=self.block_tables[d:],
             seq_lens=self.seq_lens[d:],
             query_start_loc=prefill_query_start,
