@@ -77,7 +77,7 @@ def install(out_dir: str, role: str) -> None:
 
         engine = async_llm.AsyncLLM
         apply, step, deliver = engine._apply, engine._step, engine._deliver
-        dispatch = async_llm._dispatch
+        dispatch = engine._dispatch
 
         def traced_apply(self, command: tuple) -> None:
             if command[0] == "add":
@@ -92,12 +92,12 @@ def install(out_dir: str, role: str) -> None:
             stamp("deliver", len(outputs))
             deliver(self, outputs)
 
-        def traced_dispatch(*args) -> None:
+        def traced_dispatch(self, batch: list) -> None:
             stamp("dispatch")
-            dispatch(*args)
+            dispatch(self, batch)
 
         engine._apply, engine._step, engine._deliver = traced_apply, traced_step, traced_deliver
-        async_llm._dispatch = traced_dispatch
+        engine._dispatch = traced_dispatch
     else:
         import fastapi.routing
         from uvicorn.protocols.http import httptools_impl
