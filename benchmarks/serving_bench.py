@@ -132,21 +132,33 @@ def engine_half(args: argparse.Namespace) -> dict:
         "closed_loop_saturated_output_tok_s": closed_times.saturated_rate(requests),
         "closed_loop_ttft_p50_ms": closed_times.ttft_p50_ms(),
         "closed_loop_ttft_full_load_p50_ms": closed_times.full_load_ttft_p50_ms(),
+        "closed_loop_itl_p50_ms": closed_times.itl_p50_ms(),
     }
 
 
 class TokenTimes:
-    """Each request's submit (closed loop only), first-token and end times."""
+    """Each request's submit (closed loop only), first-token and end times, and the gaps
+    between a request's consecutive outputs."""
 
     def __init__(self) -> None:
         self.submit: dict[str, float] = {}
         self.first: dict[str, float] = {}
         self.end: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.gaps: list[float] = []
 
     def saw(self, request_id: str, now: float, finished: bool) -> None:
-        self.first.setdefault(request_id, now)
+        previous = self.last.get(request_id)
+        if previous is None:
+            self.first[request_id] = now
+        else:
+            self.gaps.append(now - previous)
+        self.last[request_id] = now
         if finished:
             self.end[request_id] = now
+
+    def itl_p50_ms(self) -> float | None:
+        return 1e3 * float(np.median(self.gaps)) if self.gaps else None
 
     def saturated_rate(self, requests: list) -> float | None:
         ids = list(self.first)
@@ -368,8 +380,9 @@ def _table(record: dict) -> str:
         lines.append(
             f"engine closed    {_rate(engine['closed_loop_output_tok_s']):>10}"
             f"{_rate(engine['closed_loop_saturated_output_tok_s']):>11}"
-            f"  TTFT p50 {engine['closed_loop_ttft_p50_ms']:.0f} ms"
-            f"{_full_load(engine.get('closed_loop_ttft_full_load_p50_ms'))} (in-process, "
+            f"  TTFT p50 {_ms(engine['closed_loop_ttft_p50_ms'])}"
+            f"{_full_load(engine.get('closed_loop_ttft_full_load_p50_ms'))}"
+            f"  ITL p50 {_ms(engine.get('closed_loop_itl_p50_ms'))} (in-process, "
             f"{w['concurrency']} in flight)"
         )
     if "serve" in record:
@@ -377,9 +390,17 @@ def _table(record: dict) -> str:
         lines.append(
             f"shoal serve      {_rate(s['output_tok_s']):>10}"
             f"{_rate(s['saturated_output_tok_s']):>11}"
-            f"  TTFT p50 {s['ttft_p50_ms']:.0f} ms{_full_load(s.get('ttft_full_load_p50_ms'))}"
-            f"  TPOT p50 {s['tpot_p50_ms']:.1f} ms"
+            f"  TTFT p50 {_ms(s['ttft_p50_ms'])}{_full_load(s.get('ttft_full_load_p50_ms'))}"
+            f"  ITL p50 {_ms(s['itl_p50_ms'])}  TPOT p50 {_ms(s['tpot_p50_ms'])}"
             f"  errors {s['errors']}"
+        )
+    if "engine" in record and "serve" in record and record["engine"].get("closed_loop_itl_p50_ms"):
+        s, engine = record["serve"], record["engine"]
+        ttft = s["ttft_p50_ms"] - engine["closed_loop_ttft_p50_ms"]
+        itl = s["itl_p50_ms"] - engine["closed_loop_itl_p50_ms"]
+        lines.append(
+            f"serve adds        TTFT p50 {ttft:+.2f} ms  ITL p50 {itl:+.2f} ms"
+            " (over the closed loop)"
         )
     if "serve_over_engine" in record:
         for name, key in (("engine", "engine"), ("closed", "closed_loop")):
@@ -391,9 +412,16 @@ def _table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _ms(value: float | None) -> str:
+    """Milliseconds with a decimal below 100 ('-' if none)."""
+    if value is None:
+        return "-"
+    return f"{value:.1f} ms" if value < 100 else f"{value:.0f} ms"
+
+
 def _full_load(ttft_ms: float | None) -> str:
     """The TTFT p50 of requests sent at full load, for the report line ('' if none)."""
-    return "" if ttft_ms is None else f" ({ttft_ms:.0f} at full load)"
+    return "" if ttft_ms is None else f" ({_ms(ttft_ms)} at full load)"
 
 
 if __name__ == "__main__":
