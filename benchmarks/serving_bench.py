@@ -133,6 +133,7 @@ def engine_half(args: argparse.Namespace) -> dict:
         "closed_loop_ttft_p50_ms": closed_times.ttft_p50_ms(),
         "closed_loop_ttft_full_load_p50_ms": closed_times.full_load_ttft_p50_ms(),
         "closed_loop_itl_p50_ms": closed_times.itl_p50_ms(),
+        "prompt_tokens_p50": float(np.median(ins)),
     }
 
 
@@ -327,6 +328,7 @@ def main() -> None:
             "ttft_full_load_p50_ms": (lat.get("ttft_full_load") or {}).get("p50"),
             "itl_p50_ms": lat["itl"]["p50"],
             "tpot_p50_ms": lat["tpot"]["p50"],
+            "prompt_tokens_p50": summary["tokens"]["input"]["p50"],
         }
     if "engine" in record and "serve" in record:
         serve, engine = record["serve"]["output_tok_s"], record["engine"]
