@@ -13,7 +13,9 @@ come: the client parses no JSON per token).
 
 latency: one stream at a time. A request's first token needs one engine step and each
 later token one more, so TTFT and ITL minus --step-ms is what the frontend, the request
-plane and the worker's host side add.
+plane and the worker's host side add. `--engine real` puts the engine on the GPU instead
+(random weights of a Llama-3.1-8B shape, a 4,096-word vocabulary), for --trace's breakdown
+with real steps.
 ceiling: --concurrency streams for --duration seconds with --step-ms 0: the tokens/s one
 frontend process (or N) delivers to clients, with the CPU seconds each process used (from
 /proc), so the frontend's tokens per CPU-second say what it would reach on a core of its
@@ -123,8 +125,11 @@ class Deployment:
         self.port = free_port()
         self.logs = (work / "processes.log").open("w")
         worker = [sys.executable, *shoal, "worker", "--model", str(model)]
-        worker += ["--engine", "mocker", "--mocker-base-ms", str(args.step_ms)]
-        worker += [a for flag in TIMING for a in (f"--mocker-{flag}", "0")]
+        if args.engine == "real":
+            worker += ["--load-format", "dummy"]
+        else:
+            worker += ["--engine", "mocker", "--mocker-base-ms", str(args.step_ms)]
+            worker += [a for flag in TIMING for a in (f"--mocker-{flag}", "0")]
         worker += ["--discovery", discovery, "--served-model-name", "mock"]
         worker += ["--log-level", "warning"]
         self.workers = [self._start(worker) for _ in range(args.workers)]
@@ -242,8 +247,9 @@ async def latency(port: int, args: argparse.Namespace) -> dict:
         "itl_p50_ms": 1e3 * statistics.median(itl),
         "itl_p90_ms": 1e3 * statistics.quantiles(itl, n=10)[-1],
     }
-    ms["ttft_added_ms"] = ms["ttft_p50_ms"] - args.step_ms
-    ms["itl_added_ms"] = ms["itl_p50_ms"] - args.step_ms
+    if args.engine == "mocker":
+        ms["ttft_added_ms"] = ms["ttft_p50_ms"] - args.step_ms
+        ms["itl_added_ms"] = ms["itl_p50_ms"] - args.step_ms
     return ms
 
 
@@ -302,6 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("mode", choices=["latency", "ceiling"])
     p.add_argument("--step-ms", type=float, help="every mocker step (latency 10, ceiling 0)")
+    p.add_argument(
+        "--engine",
+        choices=["mocker", "real"],
+        default="mocker",
+        help="real: the engine on the GPU, random weights of a Llama-3.1-8B shape",
+    )
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--api-server-count", type=int, default=1)
     p.add_argument("--requests", type=int, default=40, help="latency: measured streams")
@@ -320,7 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     latency_mode = args.mode == "latency"
-    if args.step_ms is None:
+    if args.engine == "real":
+        args.step_ms = None
+    elif args.step_ms is None:
         args.step_ms = 10.0 if latency_mode else 0.0
     if args.max_tokens is None:
         args.max_tokens = 64 if latency_mode else 512
@@ -345,6 +359,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "loadavg_before": [round(x, 2) for x in load],
         "mode": args.mode,
+        "engine": args.engine,
         "step_ms": args.step_ms,
         "workers": args.workers,
         "api_server_count": args.api_server_count,
@@ -359,7 +374,7 @@ def main() -> None:
     if deployment.profile is not None and deployment.profile.exists():
         record["profile_top"] = profile_top(deployment.profile, 25)
     if deployment.trace is not None:
-        horizon = 3 * args.step_ms / 1e3 + 0.05
+        horizon = 3 * (args.step_ms or 0) / 1e3 + 0.05
         record["trace_ms"] = breakdown(str(deployment.trace), args.warmup, horizon)
     print(json.dumps(record, indent=1))
     if not args.no_record:
