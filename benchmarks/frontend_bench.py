@@ -82,6 +82,7 @@ def make_model_dir(folder: Path) -> Path:
         "vocab_size": VOCAB,
         "bos_token_id": 1,
         "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
     }
     (folder / "config.json").write_text(json.dumps(config))
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
