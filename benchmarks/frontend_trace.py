@@ -33,7 +33,7 @@ FIRST_TOKEN = [
     ("w:recv", "-> the worker's loop has it"),
     ("w:add", "-> the engine thread takes it"),
     ("w:step", "-> its first step starts"),
-    ("w:deliver", "-> the step's outputs handed to the loop (step time)"),
+    ("w:deliver", "-> its first token handed to the loop (the engine's steps)"),
     ("w:dispatch", "-> the worker's loop runs them"),
     ("w:send", "-> the worker sends them"),
     ("f:recv", "-> the frontend's loop has them"),
@@ -132,13 +132,23 @@ def _load(out_dir: str) -> list[tuple[float, str, int]]:
     return sorted(stamps)
 
 
+def _counts(name: str, size: int) -> bool:
+    """Whether a stamp is a hand-off of the request's own data: request-plane frames shorter
+    than MIN_FRAMES are heartbeats or credit, and with async scheduling a step hands over
+    no outputs when the step before it sampled nothing (a prompt's first step returns none:
+    its token comes with the next step, which waits for it)."""
+    if name.endswith(("send", "recv")):
+        return size >= MIN_FRAMES
+    return name != "w:deliver" or size > 0
+
+
 def _chain(stamps: list, start: int, names: list[str], horizon: float) -> list[float] | None:
     """Times after stamps[start] of the first of each name in turn (None if one is missing)."""
     t0, j, times = stamps[start][0], start, []
     for name in names:
         while j < len(stamps) and stamps[j][0] <= t0 + horizon:
             _, got, size = stamps[j]
-            if got == name and (not name.endswith(("send", "recv")) or size >= MIN_FRAMES):
+            if got == name and _counts(name, size):
                 break
             j += 1
         else:

@@ -166,7 +166,9 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     model, device, max_num_seqs, max_blocks, self.decode_workspace
                 )
-                self.mixed_graphs = PiecewiseGraphs(model, device, max_num_batched_tokens)
+                self.mixed_graphs = PiecewiseGraphs(
+                    model, device, max_num_batched_tokens, max_blocks
+                )
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A host copy of these blocks' KV: [layers, 2, blocks, block_size, heads, head_dim]."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,36 @@ def test_install_wraps_every_hand_off(tmp_path: Path) -> None:
         code = CHECK.format(benchmarks=str(BENCHMARKS), out=str(tmp_path), role=role)
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+def test_breakdown_follows_the_first_token_past_an_empty_hand_over(tmp_path: Path) -> None:
+    """With async scheduling a prompt's first step hands over no outputs; the chain must
+    wait for the hand-over that carries the token."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from frontend_trace import breakdown
+
+    frame = 100  # bytes: above MIN_FRAMES, a request or a response
+    frontend = [
+        (0.000, "http_in", 300),
+        (0.001, "endpoint", 0),
+        (0.002, "send", frame),
+        (0.015, "recv", frame),
+        (0.016, "body", 50),
+    ]
+    worker = [
+        (0.003, "recv", frame),
+        (0.004, "add", 0),
+        (0.005, "step", 0),
+        (0.006, "deliver", 0),  # the prompt's step: nothing sampled yet
+        (0.010, "step", 0),
+        (0.012, "deliver", 1),  # the next step hands over the first token
+        (0.013, "dispatch", 0),
+        (0.014, "send", frame),
+    ]
+    (tmp_path / "frontend-1.json").write_text(json.dumps(frontend))
+    (tmp_path / "worker-2.json").write_text(json.dumps(worker))
+    rows = breakdown(str(tmp_path), skip=0, horizon_s=1.0)["first_token"]
+    at = {row.split()[0]: float(row.split()[1]) for row in rows}
+    assert at["w:deliver"] == 12.0
+    assert at["w:dispatch"] == 13.0
+    assert at["f:body"] == 16.0

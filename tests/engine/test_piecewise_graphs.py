@@ -1,5 +1,6 @@
 """The forward pass cut at each attention: the pieces equal the whole (CPU), and their CUDA
-graphs, replayed around eager attention, equal the CPU forward pass (GPU)."""
+graphs, replayed around eager attention, equal the CPU forward pass (GPU), as does the whole
+graph of a prompt alone."""
 
 import pytest
 import torch
@@ -131,22 +132,43 @@ def test_graphs_equal_the_cpu_forward_pass(model_dirs, arch):
     model = build(model_dirs[arch], "cuda")
     first = model.attention_layers()[0]
     workspace = DecodeWorkspace(8, first.num_heads, first.head_dim, 16, "cuda")
-    graphs = PiecewiseGraphs(model, torch.device("cuda"), max_tokens=200)
+    graphs = PiecewiseGraphs(model, torch.device("cuda"), max_tokens=200, max_blocks=64)
     graphs.capture()
     assert graphs.sizes == [64, 128, 192, 200]
+    assert sorted(graphs.whole) == graphs.sizes  # all within WHOLE_MAX_TOKENS
+    whole = {size: _Counted(graph) for size, graph in graphs.whole.items()}
+    graphs.whole = whole
     batches = [
         ([0, 9, 5, 17], [7, 1, 12, 1]),  # 21 tokens, padded to 64
-        ([0], [64]),  # exactly a size
         ([40, 3, 60, 0, 30], [1, 1, 1, 150, 20]),  # three decodes first; 173 tokens
+        ([0], [64]),  # a prompt alone, exactly a size: its whole graph
+        ([0], [130]),  # a prompt alone, padded to 192
+        ([30], [45]),  # a prompt's later chunk alone, after 30 cached tokens
+        ([50], [2]),  # two new tokens, 62 padding rows
     ]
     for seed, (cached, new) in enumerate(batches):
         ids, positions, meta = mixed_batch(model, "cuda", cached, new, seed, workspace)
         ref_ids, ref_positions, ref_meta = mixed_batch(cpu, "cpu", cached, new, seed)
+        replays = sum(counted.replays for counted in whole.values())
         with torch.inference_mode():
             fill_cache(cpu, seed=seed)
             expected = cpu(ref_ids, ref_positions, ref_meta)
             fill_cache(model, seed=seed)
             replayed = graphs.run(ids, positions, meta.slot_mapping, meta).cpu()
+        alone = len(new) == 1
+        assert sum(counted.replays for counted in whole.values()) == replays + alone
         torch.testing.assert_close(replayed, expected, rtol=1e-3, atol=2e-4)
         for a, b in zip(caches(model), caches(cpu), strict=True):
             torch.testing.assert_close(a.cpu(), b, rtol=1e-3, atol=2e-4)
+
+
+class _Counted:
+    """A captured graph that counts its replays."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph = graph
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graph.replay()
