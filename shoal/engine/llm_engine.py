@@ -136,11 +136,11 @@ class LLMEngine:
             followers=self.followers,
         )
 
-    def _capture_graphs(self) -> float:
+    def _capture_graphs(self, profile: bool = False) -> float:
         """Capture the CUDA graphs on every rank; seconds spent on this one."""
         if self.followers is not None:
-            self.followers.capture_graphs()
-        return self.runner.capture_graphs()
+            self.followers.capture_graphs(profile)
+        return self.runner.capture_graphs(profile)
 
     def _start_followers(self) -> None:
         """With tensor_parallel_size > 1: check the model splits, start ranks 1.., join them."""
@@ -283,7 +283,7 @@ class LLMEngine:
         )
         blocks = sum(-(-(n + 1) // self.config.block_size) for n in prompts)
         self._build(model, blocks)
-        self._capture_graphs()
+        self._capture_graphs(profile=True)
         self._run_profile_step(prompts)
         profile = measure_kv_budget(
             self.device, self.config.gpu_memory_utilization, blocks * per_block

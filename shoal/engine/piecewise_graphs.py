@@ -112,9 +112,9 @@ class PiecewiseGraphs:
         self._piece(len(self.attention), size)
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture every piece at every size, and the whole pass of a prompt alone up to
-        WHOLE_MAX_TOKENS (largest first, in one memory pool)."""
+    def capture(self, whole: bool = True) -> float:
+        """Capture every piece at every size and, with `whole`, the whole pass of a prompt
+        alone up to WHOLE_MAX_TOKENS (largest first, in one memory pool)."""
         t0 = time.perf_counter()
         pieces, pool = len(self.attention) + 1, None
         for size in reversed(self.sizes):
@@ -128,7 +128,7 @@ class PiecewiseGraphs:
                 pool = graph.pool()
                 graphs.append(graph)
             self.graphs[size] = graphs
-            if size <= WHOLE_MAX_TOKENS:
+            if whole and size <= WHOLE_MAX_TOKENS:
                 self.query_start[1] = size  # a prompt of `size` tokens in block 0: padding
                 self.seq_len.fill_(size)  # slots (-1) write nothing there
                 self._whole(size)

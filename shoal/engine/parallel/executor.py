@@ -33,6 +33,7 @@ from shoal.engine.parallel.group import (
     DISK_READ,
     MEASURE,
     OFFLOAD,
+    PROFILE,
     QUIT,
     READ_KV,
     STEP,
@@ -117,8 +118,9 @@ class Followers:
         command = BuildCommand(num_blocks, max_num_seqs, max_model_len, eager)
         self._send(BUILD + msgspec.msgpack.encode(command))
 
-    def capture_graphs(self) -> None:
-        self._send(CAPTURE)
+    def capture_graphs(self, profile: bool = False) -> None:
+        """Every follower captures its CUDA graphs (for the memory profile: see ModelRunner)."""
+        self._send(CAPTURE + (PROFILE if profile else b""))
 
     def take_down(self) -> None:
         self._send(TAKE_DOWN)

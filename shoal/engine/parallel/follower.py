@@ -25,6 +25,7 @@ from shoal.engine.parallel.group import (
     DISK_READ,
     MEASURE,
     OFFLOAD,
+    PROFILE,
     QUIT,
     READ_KV,
     STEP,
@@ -125,7 +126,7 @@ class _Follower:
         elif tag == BUILD:
             self._build(msgspec.msgpack.decode(body, type=BuildCommand))
         elif tag == CAPTURE:
-            self.runner.capture_graphs()
+            self.runner.capture_graphs(profile=body == PROFILE)
         elif tag == MEASURE:
             return msgspec.msgpack.encode(self._kv_blocks())
         elif tag == TAKE_DOWN:

@@ -38,6 +38,7 @@ class BlocksCommand(msgspec.Struct, array_like=True):
 
 # a command is one tag byte and its payload
 STEP, BUILD, CAPTURE, TAKE_DOWN, QUIT = b"S", b"B", b"C", b"T", b"Q"
+PROFILE = b"p"  # CAPTURE's body when the capture is for the memory profile
 MEASURE = b"M"  # reply: the KV blocks this rank has room for
 OFFLOAD, TIER_OPS, DISK_READ = b"O", b"K", b"D"  # lower KV tiers (shoal.engine.kv_offload)
 READ_KV, WRITE_KV = b"R", b"W"  # KV transfer (disaggregation): a rank's shard of blocks
