@@ -170,16 +170,16 @@ class TokenTimes:
             [tokens[i.removeprefix("c")] for i in ids],
         )
 
+    def _ttfts(self) -> list[float]:
+        return [self.first[i] - t for i, t in self.submit.items()]
+
     def ttft_p50_ms(self) -> float:
-        return 1e3 * float(np.median([self.first[i] - t for i, t in self.submit.items()]))
+        return 1e3 * float(np.median(self._ttfts()))
 
     def full_load_ttft_p50_ms(self) -> float | None:
         """TTFT p50 of the requests submitted once the first one ended (bench.metrics)."""
-        ids = list(self.submit)
         ttfts = full_load_ttfts(
-            [self.submit[i] for i in ids],
-            [self.first[i] - self.submit[i] for i in ids],
-            [self.end[i] for i in ids],
+            list(self.submit.values()), self._ttfts(), [self.end[i] for i in self.submit]
         )
         return 1e3 * float(np.median(ttfts)) if ttfts else None
 

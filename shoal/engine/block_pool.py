@@ -167,8 +167,9 @@ class BlockPool:
             self._stored(run, run_start, parent_hash, hashes, token_ids, lora_id)
 
     def _stored(self, run, start, parent_hash, hashes, token_ids, lora_id) -> None:
+        """The BlockStored event of a run of newly cached blocks (events are recorded)."""
         size = self.block_size
-        self.record(
+        self.events.append(
             BlockStored(
                 block_hashes=run,
                 parent_block_hash=hashes[start - 1] if start else parent_hash,

@@ -191,6 +191,10 @@ class KVCacheManager:
             self.offload.clear()
         return True
 
+    def keep_events(self) -> None:
+        """Record the KV events from now on, for take_events."""
+        self.pool.record_events = True
+
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 

@@ -699,7 +699,7 @@ class LLMEngine:
 
     def enable_kv_events(self) -> None:
         """Keep the KV events from now on, for take_kv_events (a worker publishing them)."""
-        self.kv.pool.record_events = True
+        self.kv.keep_events()
 
     def take_kv_events(self) -> list[KVEvent]:
         """The KV events since the last call (none unless enable_kv_events was called)."""
