@@ -25,6 +25,17 @@ from shoal.kernels import dot_precision
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(x) = exp2(x * LOG2E)
 
+# Arguments that change from step to step and that Triton would otherwise compile a variant
+# for (an int divisible by 16 or not, a pointer 16-byte aligned or not): the block table's
+# row stride is the widest sequence's block count, and a mixed batch's prefill part starts
+# its block table and lengths at the row after the decodes. Each variant was compiled in
+# the middle of serving, the first time it came (seconds each, stalling every stream);
+# these arguments only index scalars, so nothing is lost by not specializing.
+_PER_STEP = {
+    "do_not_specialize": ["stride_bt"],
+    "do_not_specialize_on_alignment": ["block_tables", "seq_lens"],
+}
+
 
 @triton.jit
 def _load_kv_tile(
@@ -69,7 +80,7 @@ def _online_softmax(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(**_PER_STEP)
 def _prefill_kernel(
     query,
     cache,
@@ -203,7 +214,7 @@ def prefill_attention(
     return out
 
 
-@triton.jit
+@triton.jit(**_PER_STEP)
 def _decode_split_kernel(
     query,
     cache,
