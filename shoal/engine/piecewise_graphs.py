@@ -129,8 +129,10 @@ class PiecewiseGraphs:
                 graphs.append(graph)
             self.graphs[size] = graphs
             if whole and size <= WHOLE_MAX_TOKENS:
-                self.query_start[1] = size  # a prompt of `size` tokens in block 0: padding
-                self.seq_len.fill_(size)  # slots (-1) write nothing there
+                # captured over a prompt of `size` tokens whose block table is all block 0
+                # (read only: the slots are -1, so nothing is written there)
+                self.query_start[1] = size
+                self.seq_len.fill_(size)
                 self._whole(size)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

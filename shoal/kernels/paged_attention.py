@@ -29,7 +29,7 @@ LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp(x) = exp2(x * L
 # for (an int divisible by 16 or not, a pointer 16-byte aligned or not): the block table's
 # row stride is the widest sequence's block count, and a mixed batch's prefill part starts
 # its block table and lengths at the row after the decodes. Each variant was compiled in
-# the middle of serving, the first time it came (seconds each, stalling every stream);
+# the middle of serving, the first time it came (~0.6 s each, stalling every stream);
 # these arguments only index scalars, so nothing is lost by not specializing.
 _PER_STEP = {
     "do_not_specialize": ["stride_bt"],
