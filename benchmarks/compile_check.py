@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
 
 
-def main() -> None:
-    from serving_bench import SHAPES, lengths, make_model_dir
+def build_parser() -> argparse.ArgumentParser:
+    from serving_bench import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -33,7 +33,13 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=1024)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    from serving_bench import SHAPES, lengths, make_model_dir
+
+    args = build_parser().parse_args()
     work = Path(tempfile.mkdtemp(prefix="shoal-compile-check-"))
     cache = work / "triton"
     os.environ["TRITON_CACHE_DIR"] = str(cache)  # before anything imports triton

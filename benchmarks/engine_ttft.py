@@ -53,8 +53,8 @@ class HostTimes:
         return out
 
 
-def main() -> None:
-    from serving_bench import SHAPES, make_model_dir
+def build_parser() -> argparse.ArgumentParser:
+    from serving_bench import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -63,7 +63,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    from serving_bench import SHAPES, make_model_dir
+
+    args = build_parser().parse_args()
 
     import torch
 
