@@ -45,11 +45,6 @@ class SelfAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.heads, self.kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.o_proj(self.attn(self.project(positions, x, meta.slot_mapping), meta))
-
     def project(
         self, positions: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
