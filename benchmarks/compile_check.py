@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from serving_bench import SHAPES
+    from engine_bench import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    from serving_bench import SHAPES, lengths, make_model_dir
+    from engine_bench import SHAPES
+    from serving_bench import lengths, make_model_dir
 
     args = build_parser().parse_args()
     work = Path(tempfile.mkdtemp(prefix="shoal-compile-check-"))

@@ -54,7 +54,7 @@ class HostTimes:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from serving_bench import SHAPES
+    from engine_bench import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    from serving_bench import SHAPES, make_model_dir
+    from engine_bench import SHAPES
+    from serving_bench import make_model_dir
 
     args = build_parser().parse_args()
 
