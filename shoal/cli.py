@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("shoal.serve", "serve a model: HTTP frontend + engine workers on this machine"),
     "frontend": ("shoal.frontend.cli", "run the OpenAI-compatible HTTP frontend"),
     "worker": ("shoal.worker.cli", "run one engine worker"),
+    "router": ("shoal.router.cli", "run the KV router as a service for many frontends"),
     "generate": ("shoal.engine.cli", "generate text offline (no server)"),
     "bench": (
         "shoal.bench.cli",

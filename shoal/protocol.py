@@ -395,6 +395,31 @@ class KVStateDump(msgspec.Struct, kw_only=True):
 ROUTER_LOAD_TOPIC = "router-load"
 
 
+class RouteRequest(msgspec.Struct, array_like=True, gc=False):
+    """A frontend asks the KV router service (`shoal router`) where to send a request.
+
+    The frontend hashes the prompt (kv_hash.route_hashes at `block_size`); the service
+    counts the request's load under (replica_id, request_id), and the frontend's
+    FIRST_TOKEN and FINISHED LoadDeltas, published as a router replica's, release it.
+    """
+
+    replica_id: str  # the asking frontend, as its LoadDeltas name it
+    request_id: str
+    prompt_tokens: int
+    block_size: int
+    block_hashes: bytes  # the prompt's route hashes, uint64 little-endian
+    candidates: list[str]  # the worker instances it may go to
+    busy_wait: float  # seconds it may wait, in arrival order, while all are busy
+
+
+class RouteResponse(msgspec.Struct, array_like=True, gc=False):
+    """The service's answer: the chosen instance, or why there is none."""
+
+    instance_id: str = ""
+    error: str = ""
+    busy: bool = False  # every candidate stayed busy for the request's busy_wait
+
+
 class LoadDelta(msgspec.Struct, array_like=True, gc=False):
     """One router replica's change to the load it puts on a worker."""
 

@@ -20,6 +20,7 @@ from shoal.flags import Flag, FlagGroup, FlagParser, flag_argv
 from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontends
 from shoal.frontend.disagg_client import DISAGG
 from shoal.mocker.cli import MOCKER
+from shoal.router.cli import KV_ROUTING
 from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, PLANE_SECRET, RUNTIME, setup_logging
 from shoal.worker.cli import ENGINE_CHOICE, KV_TRANSFER, MODEL_NAME, add_engine_choice_args
@@ -104,6 +105,17 @@ def worker_argvs(args: argparse.Namespace, discovery: str) -> list[list[str]]:
     ] * decode
 
 
+def router_argv(args: argparse.Namespace, discovery: str) -> list[str] | None:
+    """The `shoal router` command line for --router-mode remote (None for other modes)."""
+    if args.router_mode != "remote":
+        return None
+    argv = [sys.executable, "-m", "shoal", "router", *flag_argv(args, KV_ROUTING)]
+    argv += ["--discovery", discovery, "--log-level", args.log_level]
+    if args.dead_after is not None:
+        argv += ["--dead-after", str(args.dead_after)]
+    return argv
+
+
 def worker_env(args: argparse.Namespace) -> dict[str, str]:
     """The workers' environment: this one's, with the plane secret (kept off their command
     lines, which every local user can read)."""
@@ -116,9 +128,10 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
 class _Slot:
     """One worker place: its process, the one-line error it printed, its restart pacing."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], name: str = "worker") -> None:
         self.argv = argv
         self.env = env
+        self.name = name
         self.quick_exits = 0  # consecutive exits within QUICK_EXIT_S of a start
         self.start()
 
@@ -153,12 +166,20 @@ class _Slot:
 
 class WorkerPool:
     """serve's worker processes: started together, watched, replaced (or reported) when
-    they exit; `error` says why serving cannot go on."""
+    they exit; `error` says why serving cannot go on. With `--router-mode remote` the pool
+    also runs the router service, which is always replaced when it exits."""
 
-    def __init__(self, argvs: list[list[str]], env: dict[str, str], restart: bool) -> None:
-        """argvs: one command line per worker."""
+    def __init__(
+        self,
+        argvs: list[list[str]],
+        env: dict[str, str],
+        restart: bool,
+        router: list[str] | None = None,
+    ) -> None:
+        """argvs: one command line per worker; router: the router service's, if any."""
         self.restart = restart
         self.slots = [_Slot(argv, env) for argv in argvs]
+        self.helpers = [] if router is None else [_Slot(router, env, "router")]
         self.error: str | None = None
 
     async def watch(self, discovery: str, failed: asyncio.Event) -> None:
@@ -182,6 +203,9 @@ class WorkerPool:
                 if registered:
                     for slot in exited:
                         await self._handle_exit(slot)
+                for helper in self.helpers:
+                    if await helper.exited():
+                        await self._handle_exit(helper)
         finally:
             await registry.close()
 
@@ -192,7 +216,7 @@ class WorkerPool:
             slot.reported = True
             why = f" ({slot.reason})" if slot.reason else ""
             code = slot.proc.returncode
-            if not self.restart:
+            if not self.restart and slot not in self.helpers:
                 log.warning("worker pid %d exited with code %d%s", slot.proc.pid, code, why)
                 return
             quick = now - slot.started_at < QUICK_EXIT_S
@@ -200,7 +224,8 @@ class WorkerPool:
             delay = min(MAX_BACKOFF_S, 2.0 ** (slot.quick_exits - 1)) if quick else 0.0
             slot.restart_at = now + delay
             log.warning(
-                "worker pid %d exited with code %d%s; starting a new one in %.0f s",
+                "%s pid %d exited with code %d%s; starting a new one in %.0f s",
+                slot.name,
                 slot.proc.pid,
                 code,
                 why,
@@ -208,14 +233,15 @@ class WorkerPool:
             )
         if slot.restart_at is not None and now >= slot.restart_at:
             await asyncio.to_thread(slot.start)
-            log.info("started worker pid %d", slot.proc.pid)
+            log.info("started %s pid %d", slot.name, slot.proc.pid)
 
     def stop(self, timeout: float) -> None:
         """SIGTERM every worker, wait up to `timeout` s each, then kill what is left."""
-        for slot in self.slots:
+        slots = self.slots + self.helpers
+        for slot in slots:
             if slot.proc.poll() is None:
                 slot.proc.send_signal(signal.SIGTERM)
-        for slot in self.slots:
+        for slot in slots:
             try:
                 slot.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -256,7 +282,7 @@ def run_serve(args: argparse.Namespace) -> int:
     folder = None if args.discovery else tempfile.mkdtemp(prefix="shoal-discovery-")
     discovery = args.discovery or f"file://{folder}"
     argvs, env = worker_argvs(args, discovery), worker_env(args)
-    pool = WorkerPool(argvs, env, args.restart_workers)
+    pool = WorkerPool(argvs, env, args.restart_workers, router_argv(args, discovery))
     log.info(
         "started %d worker(s) for %s; frontend on http://%s:%d",
         len(argvs),

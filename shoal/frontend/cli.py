@@ -24,7 +24,7 @@ from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST
 from shoal.frontend.tool_parsers import TOOL_PARSER_NAMES
 from shoal.frontend.tool_parsers.output import ParserConfig
 from shoal.frontend.worker_client import MIGRATION_LIMIT, NEXT_TOKEN_TIMEOUT
-from shoal.router.cli import ROUTER, router_options
+from shoal.router.cli import KV_ROUTING, ROUTER, router_options
 from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
 from shoal.runtime.net import advertise_address
@@ -126,6 +126,7 @@ def add_frontend_args(parser: FlagParser) -> None:
     parser.add_group(FRONTEND)
     parser.add_group(TOOLS)
     parser.add_group(ROUTER)
+    parser.add_group(KV_ROUTING)
 
 
 def parser_config(args: argparse.Namespace) -> ParserConfig:

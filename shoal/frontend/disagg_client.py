@@ -243,10 +243,13 @@ async def disaggregated(
     registry: CollectorRegistry | None = None,
 ) -> DisaggClient:
     """A started DisaggClient over a started WorkerClient, configured by the frontend's
-    flags (its routing flags route the prefill pool too)."""
+    flags (its routing flags route the prefill pool too; with `remote`, the frontend's own
+    kv router does)."""
     options = router_options(args)
     options.pop("busy_wait")
     mode = options.pop("mode")
+    if mode == "remote":  # the router service routes the decode pool; this one, the prefills
+        mode = "kv"
     client = DisaggClient(
         workers,
         runtime,

@@ -12,9 +12,16 @@ import msgspec
 
 from shoal.frontend.engine_client import NoWorkerAvailable, QueueFull, WorkerFailed
 from shoal.frontend.worker_log import WorkerLog
-from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, ModelCard
+from shoal.protocol import (
+    GENERATE_ENDPOINT,
+    EngineOutput,
+    EngineRequest,
+    InstanceRecord,
+    ModelCard,
+)
 from shoal.router import make_router
 from shoal.router.busy import AllWorkersBusy, BusyQueue
+from shoal.router.remote import RouterUnavailable
 from shoal.runtime.discovery.base import InstanceEvent
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
@@ -239,7 +246,7 @@ class WorkerClient:
         """The policy's pick among the untried workers of `model`; while all are busy the
         request waits its turn (self.busy) for up to busy_wait seconds."""
 
-        def attempt():
+        def candidates() -> list[InstanceRecord]:
             now = time.monotonic()
             instances = [
                 i
@@ -251,12 +258,18 @@ class WorkerClient:
             ]
             if not instances:
                 raise NoWorkerAvailable(f"no worker serves model {model!r} right now")
-            return self.policy.select(instances, request)
+            return instances
 
         try:
-            return await self.busy.route(attempt, self.busy_wait)
+            if self.policy.remote:  # the router service waits, for every frontend at once
+                return await self.policy.route(candidates(), request, self.busy_wait)
+            return await self.busy.route(
+                lambda: self.policy.select(candidates(), request), self.busy_wait
+            )
         except AllWorkersBusy as e:
             raise QueueFull(f"{e} for {self.busy_wait:g}s") from None
+        except RouterUnavailable as e:
+            raise NoWorkerAvailable(str(e)) from None
 
     async def _next(self, leg: _Leg) -> list[EngineOutput] | BaseException | object:
         """The leg's outputs that have arrived (waiting for one), else _END or its error."""

@@ -1,26 +1,27 @@
-"""Router flags shared by `shoal frontend` and `shoal serve`, each with a SHOAL_* twin."""
+"""Router flags shared by `shoal frontend`, `shoal serve` and `shoal router` (each with a
+SHOAL_* twin), and the `shoal router` command: the KV router as a service of its own."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 
-from shoal.flags import Flag, FlagGroup
+from shoal.flags import Flag, FlagGroup, FlagParser
+from shoal.protocol import GENERATE_ENDPOINT
 from shoal.router.kv_router import LOWER_TIER_CREDIT
 from shoal.router.policies import POLICIES
 from shoal.router.selector import KvRouterConfig
+from shoal.runtime import event_loop
+from shoal.runtime.addressing import EndpointAddress
+from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
+from shoal.runtime.net import advertise_address
 
 _DEFAULT = KvRouterConfig()
 
-ROUTER = FlagGroup(
-    "routing",
+KV_ROUTING = FlagGroup(
+    "kv routing",
     (
-        Flag(
-            "router-mode",
-            "how requests are spread over workers: round-robin, random, least-loaded "
-            "(fewest open streams), or kv (prefix-cache aware, load aware)",
-            default="round-robin",
-            choices=POLICIES,
-        ),
         Flag(
             "kv-overlap-credit",
             "kv mode: what a block a worker must prefill costs, in blocks of its prefill "
@@ -75,14 +76,6 @@ ROUTER = FlagGroup(
             _DEFAULT.approx_ttl,
         ),
         Flag(
-            "router-replica-sync",
-            "kv mode: share the load this router sends to each worker with the other "
-            "frontends routing to the same workers, and count theirs, over the event plane "
-            "(--no-router-replica-sync: each frontend predicts load from its own requests only)",
-            kind="toggle",
-            default=True,
-        ),
-        Flag(
             "busy-threshold",
             "kv mode: skip a worker whose KV blocks in use exceed this fraction, e.g. 0.95",
             float,
@@ -93,6 +86,31 @@ ROUTER = FlagGroup(
             "kv mode: skip a worker with more than this many requests waiting",
             int,
             shown_default="off",
+        ),
+    ),
+    about="How the KV router prices workers and when it counts them busy, in a frontend "
+    "with `--router-mode kv` and in the router service `shoal router` "
+    "([routing.md](routing.md)).",
+)
+
+ROUTER = FlagGroup(
+    "routing",
+    (
+        Flag(
+            "router-mode",
+            "how requests are spread over workers: round-robin, random, least-loaded "
+            "(fewest open streams), kv (prefix-cache aware, load aware), or remote (ask "
+            "the KV router service, `shoal router`, which `shoal serve` starts itself)",
+            default="round-robin",
+            choices=POLICIES,
+        ),
+        Flag(
+            "router-replica-sync",
+            "kv mode: share the load this router sends to each worker with the other "
+            "frontends routing to the same workers, and count theirs, over the event plane "
+            "(--no-router-replica-sync: each frontend predicts load from its own requests only)",
+            kind="toggle",
+            default=True,
         ),
         Flag(
             "busy-wait",
@@ -117,8 +135,9 @@ _FLAGS = {  # KvRouterConfig field -> its flag, for error messages
 }
 
 
-def router_options(args: argparse.Namespace) -> dict:
-    """make_router keyword arguments (and the busy wait) from parsed flags."""
+def kv_router_options(args: argparse.Namespace) -> dict:
+    """KvRouter keyword arguments from the kv routing flags; a one-line exit naming the flag
+    when one is out of range."""
     try:
         config = KvRouterConfig(
             overlap_credit=args.kv_overlap_credit,
@@ -132,17 +151,111 @@ def router_options(args: argparse.Namespace) -> dict:
     except ValueError as e:
         flag = next((f for name, f in _FLAGS.items() if name in str(e)), "--router-mode")
         raise SystemExit(f"{flag}: {e}") from None
-    if args.busy_wait < 0:
-        raise SystemExit(f"--busy-wait must be non-negative (got {args.busy_wait})")
     if not 0.0 <= args.kv_lower_tier_credit <= 1.0:
         raise SystemExit(
             f"--kv-lower-tier-credit must be in [0, 1] (got {args.kv_lower_tier_credit})"
         )
     return {
-        "mode": args.router_mode,
         "kv_config": config,
         "use_kv_events": not args.no_kv_events,
         "lower_tier_credit": args.kv_lower_tier_credit,
+    }
+
+
+def router_options(args: argparse.Namespace) -> dict:
+    """make_router keyword arguments (and the busy wait) from parsed flags."""
+    options = kv_router_options(args)
+    if args.busy_wait < 0:
+        raise SystemExit(f"--busy-wait must be non-negative (got {args.busy_wait})")
+    return {
+        "mode": args.router_mode,
+        **options,
         "replica_sync": args.router_replica_sync,
         "busy_wait": args.busy_wait,
     }
+
+
+ROUTER_SERVICE = FlagGroup(
+    "router service",
+    (
+        Flag(
+            "endpoint",
+            "the workers' endpoint to route to (namespace.component.endpoint)",
+            default=GENERATE_ENDPOINT,
+            env="SHOAL_ROUTER_ENDPOINT",
+        ),
+        Flag(
+            "host",
+            "address the service's request plane binds",
+            default="127.0.0.1",
+            env="SHOAL_ROUTER_HOST",
+        ),
+        Flag(
+            "advertise-host",
+            "address frontends on other hosts dial to reach the service",
+            shown_default="--host, or this machine's primary address when --host binds "
+            "every interface (0.0.0.0)",
+        ),
+        Flag(
+            "metrics-port",
+            "serve the router's Prometheus /metrics on this port",
+            int,
+            shown_default="off",
+            env="SHOAL_ROUTER_METRICS_PORT",
+        ),
+    ),
+    about="`shoal router` runs one KV router for every frontend started with "
+    "`--router-mode remote` ([routing.md](routing.md)).",
+)
+
+
+def configure(parser: FlagParser) -> None:
+    """`shoal router`."""
+    parser.description = (
+        "Run the KV router as a service: it follows the workers' KV events and load, and "
+        "frontends with --router-mode remote ask it where each request goes, so several "
+        "frontends route as one."
+    )
+    parser.add_group(ROUTER_SERVICE)
+    parser.add_group(KV_ROUTING)
+    parser.add_group(RUNTIME)
+    parser.add_group(LOGGING)
+    parser.set_defaults(func=run_router_command)
+
+
+def run_router_command(args: argparse.Namespace) -> int:
+    """Serve routing decisions until SIGTERM or SIGINT."""
+    setup_logging(args)
+    if not args.discovery:
+        raise SystemExit("--discovery is required for `shoal router`")
+    try:
+        EndpointAddress.parse(args.endpoint)
+    except ValueError as e:
+        raise SystemExit(f"--endpoint: {e}") from None
+    options = kv_router_options(args)
+    event_loop.run(_serve(args, options))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, options: dict) -> None:
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from shoal.router.metrics import RouterMetrics
+    from shoal.router.service import serve_router
+    from shoal.runtime.distributed import DistributedRuntime
+
+    registry = CollectorRegistry()
+    if args.metrics_port is not None:
+        start_http_server(args.metrics_port, args.host, registry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    advertise = args.advertise_host or advertise_address(args.host)
+    runtime = DistributedRuntime(
+        args.discovery, host=args.host, advertise_host=advertise, **runtime_options(args)
+    )
+    try:
+        await serve_router(runtime, args.endpoint, stop, metrics=RouterMetrics(registry), **options)
+    finally:
+        await runtime.close()

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 from shoal.router.kv_router import LOWER_TIER_CREDIT, KvRouter
 from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import POLICIES, LeastLoaded, Policy, Random, RoundRobin
+from shoal.router.remote import RemoteRouter
 from shoal.router.selector import KvRouterConfig
 from shoal.runtime.distributed import DistributedRuntime
 
@@ -30,6 +31,8 @@ def make_router(
     kv mode: `replica_sync` shares routed load with the other router replicas over the
     event plane, publishing on `sync_host` (others dial `sync_advertise_host` if given);
     `lower_tier_credit` prices a block held in a lower KV tier against a GPU-cached one.
+    remote mode: the router service (`shoal router`) decides with its own kv options; this
+    process publishes its requests' first tokens and ends on `sync_host`.
     """
     if mode == "round-robin":
         return RoundRobin()
@@ -49,4 +52,6 @@ def make_router(
             sync_advertise_host=sync_advertise_host,
             lower_tier_credit=lower_tier_credit,
         )
+    if mode == "remote":
+        return RemoteRouter(runtime, sync_host=sync_host, sync_advertise_host=sync_advertise_host)
     raise ValueError(f"unknown router mode {mode!r} (choose from {', '.join(POLICIES)})")

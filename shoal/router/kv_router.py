@@ -206,47 +206,59 @@ class KvRouter(Policy):
         prompt = request.prompt_token_ids
         block_size = instances[0].card.kv_block_size if instances[0].card else self.load.block_size
         hashes = route_hashes(prompt, block_size, extra_key(request.lora_id))
-        t1 = time.perf_counter()
+        self.metrics.hash_seconds.observe(time.perf_counter() - t0)
         by_id = {i.instance_id: i for i in instances}
-        candidates = free_workers(list(by_id), self.load, self.config)
-        if not candidates:
+        return by_id[self.place(list(by_id), hashes, len(prompt), request.request_id)]
+
+    def place(
+        self,
+        candidates: list[str],
+        hashes: np.ndarray,
+        prompt_tokens: int,
+        request_id: str,
+        owner: str | None = None,
+    ) -> str:
+        """The cheapest of the `candidates` (worker ids) for a prompt of `prompt_tokens` whose
+        route hashes are `hashes`, its load counted there; AllWorkersBusy if all are busy.
+
+        owner: the frontend that asked, when this router decides for others (the router
+        service): the load is counted as that replica's, so its FIRST_TOKEN and FINISHED
+        deltas release it. None: this router's own request, shared with its replicas.
+        """
+        t0 = time.perf_counter()
+        block_size = self.load.block_size
+        free = free_workers(candidates, self.load, self.config)
+        if not free:
             self.metrics.busy_rejections.inc()
-            raise AllWorkersBusy(f"all {len(by_id)} workers are over the busy threshold")
+            raise AllWorkersBusy(f"all {len(candidates)} workers are over the busy threshold")
         overlaps = self.indexer.overlaps(hashes)
         deeper = self._lower_tier_overlaps(hashes, overlaps)
-        prompt_blocks = math.ceil(len(prompt) / block_size)
+        prompt_blocks = math.ceil(prompt_tokens / block_size)
         worker = select_worker(
-            candidates,
-            prompt_blocks,
-            self._priced(overlaps, deeper),
-            self.load,
-            self.config,
-            self._rng,
+            free, prompt_blocks, self._priced(overlaps, deeper), self.load, self.config, self._rng
         )
         cached = overlaps.get(worker, 0)
-        new_tokens = len(prompt) - deeper.get(worker, cached) * block_size
-        self.load.add(request.request_id, worker, prompt_blocks - cached, new_tokens)
-        if self.share is not None:
-            self.share(
-                LoadDelta(
-                    self.replica_id,
-                    LoadDelta.ROUTED,
-                    request.request_id,
-                    worker,
-                    prompt_blocks - cached,
-                    new_tokens,
-                )
+        new_tokens = prompt_tokens - deeper.get(worker, cached) * block_size
+        blocks = prompt_blocks - cached
+        if owner is not None:
+            self.peers.apply(
+                LoadDelta(owner, LoadDelta.ROUTED, request_id, worker, blocks, new_tokens)
             )
+        else:
+            self.load.add(request_id, worker, blocks, new_tokens)
+            if self.share is not None:
+                delta = LoadDelta(
+                    self.replica_id, LoadDelta.ROUTED, request_id, worker, blocks, new_tokens
+                )
+                self.share(delta)
         if isinstance(self.indexer, ApproxIndexer):
             self.indexer.record(worker, hashes.tolist(), prompt_blocks)
-        t2 = time.perf_counter()
         m = self.metrics
         m.routed.inc()
         m.prompt_blocks.inc(len(hashes))
         m.cached_blocks.inc(cached)
-        m.hash_seconds.observe(t1 - t0)
-        m.select_seconds.observe(t2 - t1)
-        return by_id[worker]
+        m.select_seconds.observe(time.perf_counter() - t0)
+        return worker
 
     def _lower_tier_overlaps(self, hashes: np.ndarray, overlaps: dict[str, int]) -> dict[str, int]:
         """Per worker whose lower tiers extend its GPU prefix hit, its prefix in all tiers."""

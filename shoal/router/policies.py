@@ -14,7 +14,13 @@ from shoal.protocol import EngineRequest, InstanceRecord
 
 
 class Policy:
-    """The interface; the load-blind policies need none of the hooks."""
+    """The interface; the load-blind policies need none of the hooks.
+
+    A `remote` policy (the router service's client) decides over the network: the caller
+    awaits its `route` instead of calling `select`, and it does its own busy waiting.
+    """
+
+    remote = False
 
     async def start(self, endpoint) -> None:
         """Begin following `endpoint` (an EndpointClient) if the policy needs to."""
@@ -66,4 +72,4 @@ class LeastLoaded(Policy):
         return self._rng.choice([i for i, n in zip(instances, loads, strict=True) if n == least])
 
 
-POLICIES = ("round-robin", "random", "least-loaded", "kv")
+POLICIES = ("round-robin", "random", "least-loaded", "kv", "remote")

@@ -48,6 +48,11 @@ class PeerLoads:
             if last is not None and seq != last + 1:
                 log.warning("router replica %s: delta %d after %d: load dropped", peer, seq, last)
                 self.forget(peer)
+            elif last is None and seq != 1 and self._requests.get(peer):
+                # requests routed for the peer (by the router service) before its first
+                # delta heard: their ends may be among the deltas missed
+                log.info("router replica %s: first delta heard is %d: load dropped", peer, seq)
+                self.forget(peer)
             self._seq[peer] = seq
         key = (peer, delta.request_id)
         if delta.kind == LoadDelta.ROUTED:
@@ -82,22 +87,33 @@ def replicas_endpoint(workers: EndpointAddress) -> EndpointAddress:
 
 
 class ReplicaSync:
-    """One replica's publisher and its subscription to the others, found through discovery."""
+    """One replica's publisher and its subscription to the others, found through discovery.
+
+    publish=False: follow the others only (the router service, which counts the load of
+    the requests it routes for them itself); follow=False: publish only (a frontend that
+    asks the router service, which needs no picture of its own).
+    """
 
     def __init__(
         self,
         runtime: DistributedRuntime,
-        peers: PeerLoads,
+        peers: PeerLoads | None,
         replica_id: str,
         *,
         host: str = "127.0.0.1",
         advertise_host: str | None = None,
+        publish: bool = True,
+        follow: bool = True,
     ) -> None:
+        if follow and peers is None:
+            raise ValueError("a replica that follows the others needs PeerLoads")
         self.runtime = runtime
         self.peers = peers
         self.replica_id = replica_id
         self._host = host
         self._advertise_host = advertise_host
+        self._publishes = publish
+        self._follows = follow
         self._publisher: EventPublisher | None = None
         self._subscriber: EventSubscriber[LoadDelta] | None = None
         self._record: InstanceRecord | None = None
@@ -107,22 +123,24 @@ class ReplicaSync:
     async def start(self, workers: EndpointAddress) -> None:
         """Publish this replica's deltas and follow the other replicas routing to `workers`."""
         secret = self.runtime.plane_secret
-        self._publisher = EventPublisher(
-            self._host, advertise_host=self._advertise_host, secret=secret
-        )
-        self._subscriber = EventSubscriber(LoadDelta, [ROUTER_LOAD_TOPIC], secret=secret)
         endpoint = replicas_endpoint(workers)
-        self._record = InstanceRecord(
-            instance_id=self.replica_id,
-            endpoint=str(endpoint),
-            address=self._publisher.address,
-            extra={"router_load": self._publisher.address},
-        )
-        await self.runtime.discovery.register(self._record, self.runtime.lease_ttl)
-        self._tasks = [
-            asyncio.create_task(self._watch(endpoint), name="replica-sync watch"),
-            asyncio.create_task(self._read(), name="replica-sync read"),
-        ]
+        if self._publishes:
+            self._publisher = EventPublisher(
+                self._host, advertise_host=self._advertise_host, secret=secret
+            )
+            self._record = InstanceRecord(
+                instance_id=self.replica_id,
+                endpoint=str(endpoint),
+                address=self._publisher.address,
+                extra={"router_load": self._publisher.address},
+            )
+            await self.runtime.discovery.register(self._record, self.runtime.lease_ttl)
+        if self._follows:
+            self._subscriber = EventSubscriber(LoadDelta, [ROUTER_LOAD_TOPIC], secret=secret)
+            self._tasks = [
+                asyncio.create_task(self._watch(endpoint), name="replica-sync watch"),
+                asyncio.create_task(self._read(), name="replica-sync read"),
+            ]
 
     def publish(self, delta: LoadDelta) -> None:
         """Announce a delta of this replica to the others (never blocks)."""

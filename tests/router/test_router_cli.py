@@ -7,13 +7,14 @@ import pytest
 from shoal.cli import build_parser
 from shoal.flags import FlagParser
 from shoal.frontend.cli import frontend_router_options
-from shoal.router.cli import ROUTER, router_options
+from shoal.router.cli import KV_ROUTING, ROUTER, router_options
 from shoal.router.selector import KvRouterConfig
 
 
 def parse(argv: list[str]) -> dict:
     parser = FlagParser()
     parser.add_group(ROUTER)
+    parser.add_group(KV_ROUTING)
     return router_options(parser.parse_args(argv))
 
 
