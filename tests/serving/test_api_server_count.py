@@ -76,3 +76,48 @@ def test_two_api_servers_share_the_port_and_the_requests(mock_model, tmp_path):
         stop_serve(proc)
     # the processes shut down cleanly (a thread blocked on stdin once aborted each at exit)
     assert "Fatal Python error" not in log.read_text()
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in the router's metrics"
+    return float(match.group(1))
+
+
+def test_api_servers_ask_one_router_service(mock_model, tmp_path):
+    """--router-mode remote: serve starts `shoal router`; both frontends route through it,
+    and a repeated prompt goes where its blocks are cached."""
+    port, metrics_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "shoal", "serve", "--model", str(mock_model)]
+    argv += ["--engine", "mocker", "--speedup", "100", "--served-model-name", "tiny"]
+    argv += ["--port", str(port), "--api-server-count", "2", "--shutdown-timeout", "5"]
+    argv += ["--workers", "2", "--router-mode", "remote"]
+    argv += ["--discovery", f"file://{tmp_path / 'discovery'}"]
+    env = {**os.environ, "SHOAL_DRAIN_TIMEOUT": "5", "SHOAL_ROUTER_METRICS_PORT": str(metrics_port)}
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(argv, stderr=stderr, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, base)
+        prompt = " ".join(["the river runs past the old mill"] * 20)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
+        for _ in range(REQUESTS):
+            with httpx.Client(base_url=base, timeout=30) as client:
+                out = client.post("/v1/completions", json=body)
+                assert out.status_code == 200, out.text
+            time.sleep(0.05)  # the worker's KV events reach the service
+        counts = _served_by(log)
+        deadline = time.monotonic() + 10
+        while sum(counts.values()) < REQUESTS and time.monotonic() < deadline:
+            time.sleep(0.1)
+            counts = _served_by(log)
+        assert set(counts) == {"api-server-0", "api-server-1"}, counts
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert _metric(metrics, "shoal_router_requests_total") == REQUESTS
+        prompt_blocks = _metric(metrics, "shoal_router_prompt_blocks_total")
+        # every request after the first finds the prompt's blocks on the worker it goes to
+        assert _metric(metrics, "shoal_router_cached_blocks_total") >= prompt_blocks / 2
+    finally:
+        stop_serve(proc)
+    assert "Fatal Python error" not in log.read_text()
