@@ -244,7 +244,8 @@ class WorkerClient:
 
     async def _route(self, model: str, request: EngineRequest, tried: set[str]):
         """The policy's pick among the untried workers of `model`; while all are busy the
-        request waits its turn (self.busy) for up to busy_wait seconds."""
+        request waits its turn (self.busy, or the router service's queue for a remote
+        policy) for up to busy_wait seconds."""
 
         def candidates() -> list[InstanceRecord]:
             now = time.monotonic()
