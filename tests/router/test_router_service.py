@@ -45,6 +45,16 @@ async def connect(service: RouterService, frontend: RemoteRouter) -> None:
         await asyncio.sleep(0.02)
 
 
+async def connected_frontends(
+    service: RouterService, *runtimes: DistributedRuntime
+) -> tuple[list[RemoteRouter], object]:
+    """A frontend on each runtime, each connected to the service, and the first's client."""
+    started = [await start_frontend(runtime) for runtime in runtimes]
+    for frontend, _ in started:
+        await connect(service, frontend)
+    return [frontend for frontend, _ in started], started[0][1]
+
+
 def test_frontends_asking_the_service_route_as_one_router():
     async def main() -> None:
         discovery = MemoryDiscovery(MemoryRegistry())
@@ -57,10 +67,7 @@ def test_frontends_asking_the_service_route_as_one_router():
             workers = await start_workers(rt_service)
             service = await RouterService(rt_service, GENERATE_ENDPOINT, seed=0).start()
             one, client = await start_router(rt_one, replica_sync=False)
-            a, _ = await start_frontend(rt_a)
-            b, _ = await start_frontend(rt_b)
-            await connect(service, a)
-            await connect(service, b)
+            (a, b), _ = await connected_frontends(service, rt_a, rt_b)
             instances = client.instances()
             requests = burst(40)
 
@@ -117,10 +124,7 @@ def test_requests_wait_in_the_service_for_a_worker_to_free_up():
             await start_workers(rt_service)
             config = KvRouterConfig(busy_threshold=1e-4)  # one request makes a worker busy
             service = await RouterService(rt_service, GENERATE_ENDPOINT, kv_config=config).start()
-            a, client = await start_frontend(rt_a)
-            b, _ = await start_frontend(rt_b)
-            await connect(service, a)
-            await connect(service, b)
+            (a, b), client = await connected_frontends(service, rt_a, rt_b)
             instances = client.instances()
             first = burst(WORKERS, seed=3)
             held = {}
