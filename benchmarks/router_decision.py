@@ -9,7 +9,9 @@ times) and times KvRouter.select on it: hashing the prompt, walking the index, p
 worker and counting the load, as a frontend routes a request (the request is finished after
 each decision, so the load stays the same). Figures: p50/p99 decision time, its CPU time
 p50 (the thread's own, which a loaded host does not inflate as much), and the hash and
-index-walk p50 inside it; event application rates in block operations per second (one
+index-walk p50 inside it; p50/p99 of the placement alone (select given the prompt's hashes:
+what the frontend's event loop runs once a prompt of HASH_IN_THREAD_TOKENS or more was
+hashed in a thread, and what the router service runs for every request); event application rates in block operations per second (one
 block stored on or removed from one worker is one operation), while building the index
 and while removing and re-storing a tenth of it, and the rate re-hashing the events'
 token ids alone would allow.
@@ -68,6 +70,7 @@ from shoal.protocol import (
 )
 from shoal.router.kv_router import KvRouter
 from shoal.router.metrics import RouterMetrics
+from shoal.router.prompt_hashes import prompt_hashes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "router_decision.jsonl"
 BLOCK = 16
@@ -155,9 +158,12 @@ def percentile(values: list[float], q: float) -> float:
 def time_decisions(
     router: KvRouter, instances: list[InstanceRecord], prompt: list[int], budget: float
 ) -> dict:
-    """Decision times (ms) for `prompt`, repeated for about `budget` seconds (10 at least)."""
+    """Decision times (ms) for `prompt`, repeated for about `budget` seconds (10 at least):
+    the whole select (hash included), and the placement alone (select given the hashes, as
+    `prepare` hands them over; what the event loop runs for a prompt hashed in a thread,
+    and all the router service runs)."""
     indexer = router.indexer
-    decisions, cpu, hashing, walking = [], [], [], []
+    decisions, cpu, placements, hashing, walking = [], [], [], [], []
     deadline = time.perf_counter() + budget
     i = 0
     while i < 10 or time.perf_counter() < deadline:
@@ -170,20 +176,27 @@ def time_decisions(
         t1 = time.perf_counter()
         cpu.append((time.thread_time() - c0) * 1e3)
         router.finished(request.request_id)
-        hashes = route_hashes(prompt, BLOCK)
+        hashes = prompt_hashes(request, BLOCK)
         t2 = time.perf_counter()
         indexer.overlaps(hashes)
         t3 = time.perf_counter()
+        router.select(instances, request, hashes)
+        t4 = time.perf_counter()
+        router.finished(request.request_id)
         decisions.append((t1 - t0) * 1e3)
         hashing.append((t2 - t1) * 1e3)
         walking.append((t3 - t2) * 1e3)
+        placements.append((t4 - t3) * 1e3)
         i += 1
     return {
         "decisions": len(decisions),
         "decision_p50_ms": statistics.median(decisions),
         "decision_p99_ms": percentile(decisions, 0.99),
         "decision_cpu_p50_ms": statistics.median(cpu),
+        "placement_p50_ms": statistics.median(placements),
+        "placement_p99_ms": percentile(placements, 0.99),
         "hash_p50_ms": statistics.median(hashing),
+        "hash_p99_ms": percentile(hashing, 0.99),
         "index_walk_p50_ms": statistics.median(walking),
     }
 
@@ -412,8 +425,8 @@ def main() -> int:
     if args.loop_lag:
         return main_loop_lag(args, stamp, worker_counts, lengths)
     print(
-        f"{'workers':>7} {'tokens':>7} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'hash':>7}"
-        f" {'walk':>7} {'build ops/s':>12} {'churn ops/s':>12} {'rehash ops/s':>12} {'load':>5}"
+        f"{'workers':>7} {'tokens':>7} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'place50':>8}"
+        f" {'place99':>8} {'hash':>7} {'walk':>7} {'build ops/s':>12} {'churn ops/s':>12} {'rehash ops/s':>12} {'load':>5}"
     )
     rows = []
     for workers in worker_counts:
@@ -423,6 +436,7 @@ def main() -> int:
             print(
                 f"{row['workers']:7d} {row['prompt_tokens']:7d} {row['decision_p50_ms']:8.3f}"
                 f" {row['decision_p99_ms']:8.3f} {row['decision_cpu_p50_ms']:8.3f}"
+                f" {row['placement_p50_ms']:8.3f} {row['placement_p99_ms']:8.3f}"
                 f" {row['hash_p50_ms']:7.3f} {row['index_walk_p50_ms']:7.3f}"
                 f" {row['build_block_ops_per_s']:12.3g} {row['churn_block_ops_per_s']:12.3g}"
                 f" {row['rehash_block_ops_per_s']:12.3g} {row['load_average_1m']:5.1f}",

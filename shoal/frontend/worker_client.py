@@ -264,8 +264,9 @@ class WorkerClient:
         try:
             if self.policy.remote:  # the router service waits, for every frontend at once
                 return await self.policy.route(candidates(), request, self.busy_wait)
+            prepared = await self.policy.prepare(candidates(), request)
             return await self.busy.route(
-                lambda: self.policy.select(candidates(), request), self.busy_wait
+                lambda: self.policy.select(candidates(), request, prepared), self.busy_wait
             )
         except AllWorkersBusy as e:
             raise QueueFull(f"{e} for {self.busy_wait:g}s") from None

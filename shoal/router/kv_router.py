@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from shoal.kv_hash import extra_key, route_hashes
 from shoal.protocol import (
     KV_EVENTS_TOPIC,
     KV_STATE_ENDPOINT,
@@ -52,6 +51,7 @@ from shoal.router.indexer import KvIndexer
 from shoal.router.load import LoadTracker
 from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import Policy
+from shoal.router.prompt_hashes import block_size_of, prompt_hashes, prompt_hashes_off_loop
 from shoal.router.replica_sync import PeerLoads, ReplicaSync
 from shoal.router.selector import KvRouterConfig, free_workers, select_worker
 from shoal.runtime.distributed import DistributedRuntime
@@ -200,15 +200,29 @@ class KvRouter(Policy):
 
     # ---- routing (the Policy interface)
 
-    def select(self, instances: list[InstanceRecord], request: EngineRequest) -> InstanceRecord:
-        """The instance with the lowest cost; raises AllWorkersBusy if all are over threshold."""
+    async def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> np.ndarray:
+        """The prompt's route hashes; a long prompt is hashed in a thread, off the loop."""
         t0 = time.perf_counter()
-        prompt = request.prompt_token_ids
-        block_size = instances[0].card.kv_block_size if instances[0].card else self.load.block_size
-        hashes = route_hashes(prompt, block_size, extra_key(request.lora_id))
+        hashes = await prompt_hashes_off_loop(
+            request, block_size_of(instances, self.load.block_size)
+        )
         self.metrics.hash_seconds.observe(time.perf_counter() - t0)
+        return hashes
+
+    def select(
+        self, instances: list[InstanceRecord], request: EngineRequest, prepared: object = None
+    ) -> InstanceRecord:
+        """The instance with the lowest cost; raises AllWorkersBusy if all are over threshold.
+        prepared: the prompt's route hashes from `prepare` (hashed here if None)."""
+        hashes = prepared
+        if hashes is None:
+            t0 = time.perf_counter()
+            hashes = prompt_hashes(request, block_size_of(instances, self.load.block_size))
+            self.metrics.hash_seconds.observe(time.perf_counter() - t0)
         by_id = {i.instance_id: i for i in instances}
-        return by_id[self.place(list(by_id), hashes, len(prompt), request.request_id)]
+        return by_id[
+            self.place(list(by_id), hashes, len(request.prompt_token_ids), request.request_id)
+        ]
 
     def place(
         self,

@@ -28,8 +28,16 @@ class Policy:
     async def close(self) -> None:
         pass
 
-    def select(self, instances: list[InstanceRecord], request: EngineRequest) -> InstanceRecord:
-        """Pick one of `instances` (never empty) for `request`."""
+    async def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> object:
+        """What `select` needs computed once per request, where it may take long enough to
+        belong off the event loop (the KV router's prompt hashes); None for nothing."""
+        return None
+
+    def select(
+        self, instances: list[InstanceRecord], request: EngineRequest, prepared: object = None
+    ) -> InstanceRecord:
+        """Pick one of `instances` (never empty) for `request`; `prepared` is what
+        `prepare` returned for it."""
         raise NotImplementedError
 
     def watch_load(self, callback: Callable[[], None]) -> None:
@@ -47,7 +55,9 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def select(self, instances: list[InstanceRecord], request: EngineRequest) -> InstanceRecord:
+    def select(
+        self, instances: list[InstanceRecord], request: EngineRequest, prepared: object = None
+    ) -> InstanceRecord:
         return instances[next(self._counter) % len(instances)]
 
 
@@ -55,7 +65,9 @@ class Random(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def select(self, instances: list[InstanceRecord], request: EngineRequest) -> InstanceRecord:
+    def select(
+        self, instances: list[InstanceRecord], request: EngineRequest, prepared: object = None
+    ) -> InstanceRecord:
         return self._rng.choice(instances)
 
 
@@ -66,7 +78,9 @@ class LeastLoaded(Policy):
         self._load = load
         self._rng = random.Random(seed)
 
-    def select(self, instances: list[InstanceRecord], request: EngineRequest) -> InstanceRecord:
+    def select(
+        self, instances: list[InstanceRecord], request: EngineRequest, prepared: object = None
+    ) -> InstanceRecord:
         loads = [self._load(i) for i in instances]
         least = min(loads)
         return self._rng.choice([i for i, n in zip(instances, loads, strict=True) if n == least])

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import secrets
 
-from shoal.kv_hash import extra_key, route_hashes
 from shoal.protocol import EngineRequest, InstanceRecord, LoadDelta, RouteRequest, RouteResponse
 from shoal.router.busy import AllWorkersBusy
 from shoal.router.policies import Policy
+from shoal.router.prompt_hashes import block_size_of, prompt_hashes_off_loop
 from shoal.router.replica_sync import ReplicaSync
 from shoal.router.service import service_endpoint
 from shoal.runtime.distributed import DistributedRuntime
@@ -62,7 +62,9 @@ class RemoteRouter(Policy):
     async def close(self) -> None:
         await self._sync.close()
 
-    def select(self, instances: list[InstanceRecord], request: EngineRequest) -> InstanceRecord:
+    def select(
+        self, instances: list[InstanceRecord], request: EngineRequest, prepared: object = None
+    ) -> InstanceRecord:
         raise TypeError("the remote router decides over the network: await route()")
 
     async def route(
@@ -76,14 +78,12 @@ class RemoteRouter(Policy):
                 f"no KV router service (`shoal router`) serves {self._services.endpoint}"
             )
         service = min(services, key=lambda s: s.instance_id)
-        card = instances[0].card
-        block_size = card.kv_block_size if card is not None else 16
-        prompt = request.prompt_token_ids
-        hashes = route_hashes(prompt, block_size, extra_key(request.lora_id))
+        block_size = block_size_of(instances, 16)
+        hashes = await prompt_hashes_off_loop(request, block_size)
         query = RouteRequest(
             self.replica_id,
             request.request_id,
-            len(prompt),
+            len(request.prompt_token_ids),
             block_size,
             hashes.astype("<u8", copy=False).tobytes(),
             [i.instance_id for i in instances],

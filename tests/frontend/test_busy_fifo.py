@@ -70,8 +70,8 @@ async def with_client(gates: Gates, body, workers: int, busy_wait: float = 30.0)
         await client.endpoint.wait_for_instances(workers, timeout=10)
         select = client.policy.select
 
-        def recording(instances, req):
-            chosen = select(instances, req)
+        def recording(instances, req, prepared=None):
+            chosen = select(instances, req, prepared)
             gates.routed.append(req.request_id)
             return chosen
 

@@ -86,7 +86,7 @@ class Recording(Policy):
         self.first: list[str] = []
         self.done: list[str] = []
 
-    def select(self, instances, request):
+    def select(self, instances, request, prepared=None):
         self.selected.append(request.request_id)
         return sorted(instances, key=lambda i: i.instance_id)[len(self.selected) % len(instances)]
 
@@ -257,7 +257,7 @@ def test_an_error_the_request_caused_does_not_move():
 
 
 class Busy(Recording):
-    def select(self, instances, request):
+    def select(self, instances, request, prepared=None):
         raise AllWorkersBusy("all 2 workers are over the busy threshold")
 
 

@@ -84,8 +84,8 @@ def routed_to(client: WorkerClient) -> list[str]:
     chosen: list[str] = []
     select = client.policy.select
 
-    def recording(instances, request):
-        record = select(instances, request)
+    def recording(instances, request, prepared=None):
+        record = select(instances, request, prepared)
         chosen.append(record.instance_id)
         return record
 
@@ -197,7 +197,7 @@ def test_a_gap_in_event_numbers_triggers_a_resync(workers):
             assert router.indexer.overlaps(route_hashes(prompt_of(4, 5 * BLOCK), BLOCK)) == {}
             # The next batch from that worker shows the gap; the router fetches a dump.
             before = router.metrics.resyncs.labels("gap")._value.get()
-            client.policy.select = lambda instances, request: next(
+            client.policy.select = lambda instances, request, prepared=None: next(
                 i for i in instances if i.instance_id == worker
             )
             await generate(client, "after", prompt_of(5, 5 * BLOCK))
