@@ -92,13 +92,15 @@ def test_frontends_asking_the_service_route_as_one_router():
             expected = picture(one, workers)
             await wait_for(lambda: picture(service.router, workers) == expected)
 
-            # The next requests go where the single router would send them.
+            # The next requests go where the single router would send them. (An end travels
+            # on the event plane, a request on the request plane: the next request may
+            # overtake the last one's end, so each end is awaited.)
             for request in burst(12, seed=8, prefix="next"):
                 choice = one.select(instances, request).instance_id
                 assert (await a.route(instances, request, 1.0)).instance_id == choice
                 one.finished(request.request_id)
                 a.finished(request.request_id)
-            await wait_for(lambda: picture(service.router, workers) == picture(one, workers))
+                await wait_for(lambda: picture(service.router, workers) == picture(one, workers))
 
             # A frontend that leaves takes its requests out of the service's picture.
             assert service.router.peers.num_requests(b.replica_id) > 0
