@@ -15,6 +15,12 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIN_SLOTS = 1 << 12
 _WINDOW = np.arange(8)  # slots probed together (a cache line of keys); 8 bools read as a uint64
 _ONE_PROBE_FIRST = 256  # keys in a call above which each key's home slot is probed alone first
+_STRIDE = 32  # leading_ids: one key in this many is looked up in the slots
+
+
+def _offsets(n: int) -> np.ndarray:
+    """0, 1, ..., _STRIDE - 1, 0, 1, ... (n values)."""
+    return np.arange(n) & (_STRIDE - 1)
 
 
 class BlockTable:
@@ -38,6 +44,32 @@ class BlockTable:
         out = self._ids[pos]
         out[pos < 0] = -1
         return out
+
+    def leading_ids(self, keys: np.ndarray) -> np.ndarray:
+        """The ids of a sequence's blocks (chained hashes, in order) up to the first one
+        absent. Blocks stored together were given consecutive ids, so only every
+        _STRIDE-th key is looked up in the slots: the ids between are guessed from the one
+        before and checked against key_of (reads in id order, not scattered ones), and only
+        the keys guessed wrong are looked up. A removed key's freed id still names it in
+        key_of until the id is handed out again, so such a guess stands: the caller must
+        read a free id as held by no one (the index frees an id with no holder left)."""
+        n = len(keys)
+        if n < 4 * _STRIDE:
+            ids = self.ids(keys)
+        else:
+            anchors = self.ids(keys[::_STRIDE])
+            absent = np.flatnonzero(anchors < 0)
+            end = int(absent[0]) * _STRIDE if len(absent) else n  # no key from there is needed
+            keys = keys[:end]
+            ids = np.repeat(anchors[: -(-end // _STRIDE)], _STRIDE)[:end]
+            ids += _offsets(end)
+            wrong = ids >= self._next
+            wrong |= self.key_of[np.minimum(ids, self._next - 1)] != keys
+            wrong = np.flatnonzero(wrong)
+            if len(wrong):
+                ids[wrong] = self.ids(keys[wrong])
+        missing = np.flatnonzero(ids < 0)
+        return ids[: missing[0]] if len(missing) else ids
 
     def add(self, keys: np.ndarray) -> np.ndarray:
         """Add keys (distinct, none present yet); their new ids."""

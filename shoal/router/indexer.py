@@ -398,10 +398,7 @@ class KvIndexer:
             if isinstance(block_hashes, np.ndarray):
                 block_hashes = block_hashes.tolist()
             return self._short_overlaps(block_hashes)
-        ids = self._table.ids(_u64(block_hashes))
-        missing = np.flatnonzero(ids < 0)
-        depth = int(missing[0]) if len(missing) else len(ids)
-        ids = ids[:depth]
+        ids = self._table.leading_ids(_u64(block_hashes))  # a free id's mask row is 0
         return _leading([self._bits[ids, w] for w in range(self._bits.shape[1])], self._columns)
 
     def _short_overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
@@ -540,8 +537,12 @@ class KvIndexer:
         ids = self._table.ids(keys)
         missing = ids < 0
         if missing.any():
-            new, inverse = np.unique(keys[missing], return_inverse=True)
-            added = self._table.add(new)
+            new, first, inverse = np.unique(
+                keys[missing], return_index=True, return_inverse=True
+            )
+            order = np.argsort(first)  # ids in the order the blocks came: see leading_ids
+            added = np.empty(len(new), np.int64)
+            added[order] = self._table.add(new[order])
             ids[missing] = added[inverse]
             self._id_of.update(zip(new.tolist(), added.tolist(), strict=True))
             self._fit()

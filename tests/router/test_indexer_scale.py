@@ -13,7 +13,7 @@ from overlap_reference import leading_overlaps
 
 from shoal.kv_hash import route_hashes
 from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored
-from shoal.router import indexer
+from shoal.router import block_table, indexer
 from shoal.router.block_table import BlockTable
 from shoal.router.indexer import KvIndexer
 
@@ -44,6 +44,51 @@ def test_block_table_matches_a_dict_through_growth_and_tombstones():
         expected = [truth.get(k, -1) for k in probe.tolist()]
         assert table.ids(probe).tolist() == expected
     assert table.id_capacity < 4 * len(truth)  # freed ids are reused
+
+
+def test_leading_ids_guess_consecutive_ids_and_look_up_the_rest():
+    """leading_ids against a lookup of each key: sequences added whole (consecutive ids),
+    in pieces among others' keys, after removals (freed ids handed out again); a removed
+    key may come back as its freed id, never as a live id of another key."""
+    rng = np.random.default_rng(5)
+    table = BlockTable()
+    sequences = [rng.integers(0, 2**64, int(n), np.uint64) for n in rng.integers(1, 700, 40)]
+    for i, sequence in enumerate(sequences):
+        pieces = np.split(sequence, np.sort(rng.integers(0, len(sequence), i % 4)))
+        for piece in pieces:
+            noise = rng.integers(0, 2**64, int(rng.integers(0, 50)), np.uint64)
+            fresh = np.concatenate([piece, noise])
+            table.add(np.unique(fresh[table.ids(fresh) < 0]) if i % 5 == 0 else fresh)
+        if i % 3 == 0:  # remove a stretch of an earlier sequence
+            old = sequences[int(rng.integers(0, i + 1))]
+            start = int(rng.integers(0, len(old)))
+            gone = old[start : start + int(rng.integers(1, 200))]
+            gone = gone[table.ids(gone) >= 0]
+            table.remove(table.ids(np.unique(gone)))
+    every = np.concatenate(sequences)
+    live_ids = set(table.ids(every)[table.ids(every) >= 0].tolist())
+    stale = 0  # removed keys returned as their freed ids
+    for sequence in sequences:
+        for length in (len(sequence), len(sequence) // 2 + 1):
+            keys = sequence[:length]
+            looked_up = table.ids(keys)
+            absent = np.flatnonzero(looked_up < 0)
+            depth = int(absent[0]) if len(absent) else length
+            got = table.leading_ids(keys)
+            assert depth <= len(got) <= length and (got >= 0).all()
+            assert got[:depth].tolist() == looked_up[:depth].tolist()
+            for key, guessed, truth in zip(
+                keys[depth : len(got)].tolist(),
+                got[depth:].tolist(),
+                looked_up[depth : len(got)].tolist(),
+                strict=True,
+            ):
+                if truth >= 0:
+                    assert guessed == truth
+                else:
+                    assert table.key_of[guessed] == key and guessed not in live_ids
+                    stale += 1
+    assert stale  # the case is met
 
 
 class Model:
@@ -122,7 +167,11 @@ def random_batch(rng: random.Random, sequences: list[list[int]], model: Model, w
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_batches_over_many_workers_match_the_model(seed):
+@pytest.mark.parametrize("lookup", ["as configured", "every query guessed"])
+def test_batches_over_many_workers_match_the_model(seed, lookup, monkeypatch):
+    if lookup != "as configured":  # these short queries through leading_ids' guesses
+        monkeypatch.setattr(indexer, "SHORT_PROMPT_BLOCKS", 0)
+        monkeypatch.setattr(block_table, "_STRIDE", 2)
     rng = random.Random(seed)
     roots = [[rng.randrange(30) for _ in range(BLOCK * rng.randint(1, 4))] for _ in range(5)]
     sequences = []
