@@ -537,9 +537,7 @@ class KvIndexer:
         ids = self._table.ids(keys)
         missing = ids < 0
         if missing.any():
-            new, first, inverse = np.unique(
-                keys[missing], return_index=True, return_inverse=True
-            )
+            new, first, inverse = np.unique(keys[missing], return_index=True, return_inverse=True)
             order = np.argsort(first)  # ids in the order the blocks came: see leading_ids
             added = np.empty(len(new), np.int64)
             added[order] = self._table.add(new[order])
