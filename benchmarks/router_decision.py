@@ -11,10 +11,10 @@ each decision, so the load stays the same). Figures: p50/p99 decision time, its 
 p50 (the thread's own, which a loaded host does not inflate as much), and the hash and
 index-walk p50 inside it; p50/p99 of the placement alone (select given the prompt's hashes:
 what the frontend's event loop runs once a prompt of HASH_IN_THREAD_TOKENS or more was
-hashed in a thread, and what the router service runs for every request); event application rates in block operations per second (one
-block stored on or removed from one worker is one operation), while building the index
-and while removing and re-storing a tenth of it, and the rate re-hashing the events'
-token ids alone would allow.
+hashed in a thread, and what the router service runs for every request); event
+application rates in block operations per second (one block stored on or removed from one
+worker is one operation), while building the index and while removing and re-storing a
+tenth of it, and the rate re-hashing the events' token ids alone would allow.
 
 It appends one record per (workers, prompt length) to
 benchmarks/results/router_decision.jsonl with provenance and the host's load average
@@ -426,7 +426,8 @@ def main() -> int:
         return main_loop_lag(args, stamp, worker_counts, lengths)
     print(
         f"{'workers':>7} {'tokens':>7} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'place50':>8}"
-        f" {'place99':>8} {'hash':>7} {'walk':>7} {'build ops/s':>12} {'churn ops/s':>12} {'rehash ops/s':>12} {'load':>5}"
+        f" {'place99':>8} {'hash':>7} {'walk':>7} {'build ops/s':>12} {'churn ops/s':>12}"
+        f" {'rehash ops/s':>12} {'load':>5}"
     )
     rows = []
     for workers in worker_counts:

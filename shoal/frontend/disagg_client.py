@@ -22,7 +22,6 @@ from prometheus_client import CollectorRegistry, Counter
 
 from shoal.flags import Flag, FlagGroup
 from shoal.frontend.worker_client import WorkerClient, _continuation
-from shoal.kv_hash import extra_key, route_hashes
 from shoal.protocol import (
     KV_BLOCKS_ENDPOINT,
     PREFILL_ENDPOINT,
@@ -37,6 +36,7 @@ from shoal.protocol import (
 from shoal.router import make_router
 from shoal.router.cli import router_options
 from shoal.router.kv_router import AllWorkersBusy, KvRouter
+from shoal.router.prompt_hashes import prompt_hashes
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
 
@@ -168,22 +168,19 @@ class DisaggClient:
         if not instances:
             return None, "no_prefill_worker"
         block_size = instances[0].card.kv_block_size
-        cached = self._decode_overlap(request, block_size) * block_size
+        hashes = None  # the prompt's route hashes, once for both routers when one needs them
+        decode = self.workers.policy
+        cached = 0
+        if isinstance(decode, KvRouter):  # the most leading blocks a decode worker caches
+            hashes = prompt_hashes(request, block_size)
+            cached = max(decode.indexer.overlaps(hashes).values(), default=0) * block_size
         if len(request.prompt_token_ids) - cached <= self.max_local_prefill_length:
             return None, "short"
         try:
-            return self.prefill_policy.select(instances, _prefill_request(request)), "remote"
+            prefill = _prefill_request(request)  # the same prompt and adapter: the same hashes
+            return self.prefill_policy.select(instances, prefill, hashes), "remote"
         except AllWorkersBusy:
             return None, "prefill_busy"
-
-    def _decode_overlap(self, request: EngineRequest, block_size: int) -> int:
-        """The most leading prompt blocks a decode worker caches, as its router predicts
-        (0 unless the decode pool is routed by KV)."""
-        policy = self.workers.policy
-        if not isinstance(policy, KvRouter):
-            return 0
-        hashes = route_hashes(request.prompt_token_ids, block_size, extra_key(request.lora_id))
-        return max(policy.indexer.overlaps(hashes).values(), default=0)
 
     async def _prefill(self, instance: InstanceRecord, request: EngineRequest):
         """The prefill worker's one output (the first token, transfer parameters with it

@@ -1,0 +1,83 @@
+"""Where a disaggregated frontend prefills a prompt, with both pools routed by KV: locally
+when a decode worker caches enough of it, else on the prefill worker that caches most, the
+prompt hashed once for both routers."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from shoal.frontend import disagg_client
+from shoal.frontend.disagg_client import DisaggClient
+from shoal.kv_hash import hash_blocks
+from shoal.protocol import BlockStored, EngineRequest, InstanceRecord, ModelCard, SamplingParams
+from shoal.router import kv_router
+from shoal.router.kv_router import KvRouter
+from shoal.router.metrics import RouterMetrics
+
+BLOCK = 16
+CARD = ModelCard(
+    model_name="m", tokenizer="", context_length=1 << 16, kv_block_size=BLOCK, num_kv_blocks=4096
+)
+PREFILL = [
+    InstanceRecord(instance_id=f"p{i}", endpoint="e", address=f"p{i}", card=CARD) for i in range(3)
+]
+PROMPT = [random.Random(0).randrange(4, 30_000) for _ in range(64 * BLOCK)]
+
+
+def cache(router: KvRouter, worker: str, blocks: int) -> None:
+    """Index the first `blocks` blocks of PROMPT as held by `worker`."""
+    tokens = PROMPT[: blocks * BLOCK]
+    router.indexer.apply(
+        worker,
+        BlockStored(
+            block_hashes=hash_blocks(tokens, BLOCK),
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=BLOCK,
+            lora_id=None,
+        ),
+    )
+
+
+def plan(decode_blocks: int, monkeypatch) -> tuple[str | None, str, int]:
+    """(the prefill worker or None, why, prompt hashes computed by either router) with the first
+    `decode_blocks` blocks cached on a decode worker and 40 on prefill worker p1."""
+    decode = KvRouter(None, metrics=RouterMetrics(CollectorRegistry()), seed=0, replica_sync=False)
+    if decode_blocks:
+        cache(decode, "d0", decode_blocks)
+    client = DisaggClient(
+        SimpleNamespace(policy=decode),
+        None,
+        "kv",
+        max_local_prefill_length=20 * BLOCK,
+        registry=CollectorRegistry(),
+        seed=0,
+    )
+    client.prefill_endpoint = SimpleNamespace(instances=lambda: PREFILL)
+    cache(client.prefill_policy, "p1", 40)
+    hashed = []
+    hash_ = disagg_client.prompt_hashes
+
+    def counting(*args):
+        hashed.append(args)
+        return hash_(*args)
+
+    monkeypatch.setattr(disagg_client, "prompt_hashes", counting)
+    monkeypatch.setattr(kv_router, "prompt_hashes", counting)  # where select would hash
+    request = EngineRequest(
+        request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=8)
+    )
+    instance, reason = client._plan("m", request)
+    return (instance.instance_id if instance else None), reason, len(hashed)
+
+
+def test_a_prompt_cached_on_a_decode_worker_is_prefilled_there(monkeypatch):
+    assert plan(50, monkeypatch) == (None, "short", 1)  # 14 blocks left: under 20
+
+
+def test_a_long_prefill_goes_where_the_prefill_pool_caches_it(monkeypatch):
+    assert plan(10, monkeypatch) == ("p1", "remote", 1)  # 54 left; p1 holds 40
+    assert plan(0, monkeypatch) == ("p1", "remote", 1)
