@@ -29,6 +29,7 @@ class BlockTable:
     def __init__(self) -> None:
         self._reset_slots(_MIN_SLOTS)
         self.key_of = np.zeros(_MIN_SLOTS // 2, np.uint64)  # block id -> its block hash
+        self._live_id = np.zeros(_MIN_SLOTS // 2, bool)  # whether the id names a key now
         self._free: list[int] = []  # ids freed, reused first
         self._next = 0  # ids below this have been handed out
         self.live = 0  # keys in the table
@@ -49,10 +50,8 @@ class BlockTable:
         """The ids of a sequence's blocks (chained hashes, in order) up to the first one
         absent. Blocks stored together were given consecutive ids, so only every
         _STRIDE-th key is looked up in the slots: the ids between are guessed from the one
-        before and checked against key_of (reads in id order, not scattered ones), and only
-        the keys guessed wrong are looked up. A removed key's freed id still names it in
-        key_of until the id is handed out again, so such a guess stands: the caller must
-        read a free id as held by no one (the index frees an id with no holder left)."""
+        before and checked against key_of and the live ids (reads in id order, not
+        scattered ones), and only the keys guessed wrong are looked up."""
         n = len(keys)
         if n < 4 * _STRIDE:
             ids = self.ids(keys)
@@ -64,7 +63,9 @@ class BlockTable:
             ids = np.repeat(anchors[: -(-end // _STRIDE)], _STRIDE)[:end]
             ids += _offsets(end)
             wrong = ids >= self._next
-            wrong |= self.key_of[np.minimum(ids, self._next - 1)] != keys
+            guess = np.minimum(ids, self._next - 1)
+            wrong |= self.key_of[guess] != keys
+            wrong |= ~self._live_id[guess]  # a freed id still names its last key
             wrong = np.flatnonzero(wrong)
             if len(wrong):
                 ids[wrong] = self.ids(keys[wrong])
@@ -78,6 +79,7 @@ class BlockTable:
             self._rehash(self.live + n)
         ids = self._allocate(n)
         self.key_of[ids] = keys
+        self._live_id[ids] = True
         self._place(keys, ids)
         self.live += n
         return ids
@@ -85,6 +87,7 @@ class BlockTable:
     def remove(self, ids: np.ndarray) -> None:
         """Remove the keys of these live ids (distinct), freeing the ids."""
         self._ids[self._find(self.key_of[ids])] = GONE
+        self._live_id[ids] = False
         self._free.extend(ids.tolist())
         self.live -= len(ids)
 
@@ -175,4 +178,7 @@ class BlockTable:
             grown = np.zeros(max(2 * len(self.key_of), self._next), np.uint64)
             grown[: len(self.key_of)] = self.key_of
             self.key_of = grown
+            live = np.zeros(len(grown), bool)
+            live[: len(self._live_id)] = self._live_id
+            self._live_id = live
         return ids

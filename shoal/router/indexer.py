@@ -398,7 +398,7 @@ class KvIndexer:
             if isinstance(block_hashes, np.ndarray):
                 block_hashes = block_hashes.tolist()
             return self._short_overlaps(block_hashes)
-        ids = self._table.leading_ids(_u64(block_hashes))  # a free id's mask row is 0
+        ids = self._table.leading_ids(_u64(block_hashes))
         return _leading([self._bits[ids, w] for w in range(self._bits.shape[1])], self._columns)
 
     def _short_overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:

@@ -48,8 +48,7 @@ def test_block_table_matches_a_dict_through_growth_and_tombstones():
 
 def test_leading_ids_guess_consecutive_ids_and_look_up_the_rest():
     """leading_ids against a lookup of each key: sequences added whole (consecutive ids),
-    in pieces among others' keys, after removals (freed ids handed out again); a removed
-    key may come back as its freed id, never as a live id of another key."""
+    in pieces among others' keys, after removals (freed ids handed out again)."""
     rng = np.random.default_rng(5)
     table = BlockTable()
     sequences = [rng.integers(0, 2**64, int(n), np.uint64) for n in rng.integers(1, 700, 40)]
@@ -65,30 +64,25 @@ def test_leading_ids_guess_consecutive_ids_and_look_up_the_rest():
             gone = old[start : start + int(rng.integers(1, 200))]
             gone = gone[table.ids(gone) >= 0]
             table.remove(table.ids(np.unique(gone)))
-    every = np.concatenate(sequences)
-    live_ids = set(table.ids(every)[table.ids(every) >= 0].tolist())
-    stale = 0  # removed keys returned as their freed ids
     for sequence in sequences:
         for length in (len(sequence), len(sequence) // 2 + 1):
             keys = sequence[:length]
             looked_up = table.ids(keys)
             absent = np.flatnonzero(looked_up < 0)
             depth = int(absent[0]) if len(absent) else length
-            got = table.leading_ids(keys)
-            assert depth <= len(got) <= length and (got >= 0).all()
-            assert got[:depth].tolist() == looked_up[:depth].tolist()
-            for key, guessed, truth in zip(
-                keys[depth : len(got)].tolist(),
-                got[depth:].tolist(),
-                looked_up[depth : len(got)].tolist(),
-                strict=True,
-            ):
-                if truth >= 0:
-                    assert guessed == truth
-                else:
-                    assert table.key_of[guessed] == key and guessed not in live_ids
-                    stale += 1
-    assert stale  # the case is met
+            assert table.leading_ids(keys).tolist() == looked_up[:depth].tolist()
+
+
+def test_leading_ids_never_guess_a_freed_id():
+    """A key removed and added again under another id: its old id, free, still names it
+    in key_of, and sits where the guess from the run's first id lands."""
+    keys = np.arange(1, 201, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    table = BlockTable()
+    ids = table.add(keys)
+    assert ids.tolist() == list(range(200))
+    table.remove(ids[[150, 151]])
+    assert table.add(keys[150:151]).tolist() == [151]  # the last id freed is handed out first
+    assert table.leading_ids(keys).tolist() == [*range(150), 151]
 
 
 class Model:
