@@ -9,9 +9,9 @@ times) and times KvRouter.select on it: hashing the prompt, walking the index, p
 worker and counting the load, as a frontend routes a request (the request is finished after
 each decision, so the load stays the same). Figures: p50/p99 decision time, its CPU time
 p50 (the thread's own, which a loaded host does not inflate as much), and the hash and
-index-walk p50 inside it; p50/p99 of the placement alone (select given the prompt's hashes:
-what the frontend's event loop runs once a prompt of HASH_IN_THREAD_TOKENS or more was
-hashed in a thread, and what the router service runs for every request); event
+index-walk p50 inside it; p50/p99 of the placement alone (select given the prompt's hashes,
+as `prepare` hands them over: what a request waiting for a busy worker costs each time it
+is placed again, and what the router service runs for every request); event
 application rates in block operations per second (one block stored on or removed from one
 worker is one operation), while building the index and while removing and re-storing a
 tenth of it, and the rate re-hashing the events' token ids alone would allow.
@@ -160,8 +160,7 @@ def time_decisions(
 ) -> dict:
     """Decision times (ms) for `prompt`, repeated for about `budget` seconds (10 at least):
     the whole select (hash included), and the placement alone (select given the hashes, as
-    `prepare` hands them over; what the event loop runs for a prompt hashed in a thread,
-    and all the router service runs)."""
+    `prepare` hands them over; all the router service runs)."""
     indexer = router.indexer
     decisions, cpu, placements, hashing, walking = [], [], [], [], []
     deadline = time.perf_counter() + budget

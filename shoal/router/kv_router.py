@@ -51,7 +51,7 @@ from shoal.router.indexer import KvIndexer
 from shoal.router.load import LoadTracker
 from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import Policy
-from shoal.router.prompt_hashes import block_size_of, prompt_hashes, prompt_hashes_off_loop
+from shoal.router.prompt_hashes import block_size_of, prompt_hashes
 from shoal.router.replica_sync import PeerLoads, ReplicaSync
 from shoal.router.selector import KvRouterConfig, free_workers, select_worker
 from shoal.runtime.distributed import DistributedRuntime
@@ -201,11 +201,13 @@ class KvRouter(Policy):
     # ---- routing (the Policy interface)
 
     async def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> np.ndarray:
-        """The prompt's route hashes; a long prompt is hashed in a thread, off the loop."""
+        """The prompt's route hashes, once per request (a request waiting for a busy worker
+        is placed again as load falls, not hashed again)."""
+        return self._hashes(instances, request)
+
+    def _hashes(self, instances: list[InstanceRecord], request: EngineRequest) -> np.ndarray:
         t0 = time.perf_counter()
-        hashes = await prompt_hashes_off_loop(
-            request, block_size_of(instances, self.load.block_size)
-        )
+        hashes = prompt_hashes(request, block_size_of(instances, self.load.block_size))
         self.metrics.hash_seconds.observe(time.perf_counter() - t0)
         return hashes
 
@@ -214,11 +216,7 @@ class KvRouter(Policy):
     ) -> InstanceRecord:
         """The instance with the lowest cost; raises AllWorkersBusy if all are over threshold.
         prepared: the prompt's route hashes from `prepare` (hashed here if None)."""
-        hashes = prepared
-        if hashes is None:
-            t0 = time.perf_counter()
-            hashes = prompt_hashes(request, block_size_of(instances, self.load.block_size))
-            self.metrics.hash_seconds.observe(time.perf_counter() - t0)
+        hashes = self._hashes(instances, request) if prepared is None else prepared
         by_id = {i.instance_id: i for i in instances}
         return by_id[
             self.place(list(by_id), hashes, len(request.prompt_token_ids), request.request_id)

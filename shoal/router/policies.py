@@ -29,8 +29,8 @@ class Policy:
         pass
 
     async def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> object:
-        """What `select` needs computed once per request, where it may take long enough to
-        belong off the event loop (the KV router's prompt hashes); None for nothing."""
+        """What `select` needs computed once per request, however often a busy wait has it
+        called (the KV router's prompt hashes); None for nothing."""
         return None
 
     def select(

@@ -15,7 +15,7 @@ import secrets
 from shoal.protocol import EngineRequest, InstanceRecord, LoadDelta, RouteRequest, RouteResponse
 from shoal.router.busy import AllWorkersBusy
 from shoal.router.policies import Policy
-from shoal.router.prompt_hashes import block_size_of, prompt_hashes_off_loop
+from shoal.router.prompt_hashes import block_size_of, prompt_hashes
 from shoal.router.replica_sync import ReplicaSync
 from shoal.router.service import service_endpoint
 from shoal.runtime.distributed import DistributedRuntime
@@ -79,7 +79,7 @@ class RemoteRouter(Policy):
             )
         service = min(services, key=lambda s: s.instance_id)
         block_size = block_size_of(instances, 16)
-        hashes = await prompt_hashes_off_loop(request, block_size)
+        hashes = prompt_hashes(request, block_size)
         query = RouteRequest(
             self.replica_id,
             request.request_id,

@@ -103,11 +103,20 @@ def test_waiting_requests_are_served_in_arrival_order():
         for rid in ("b", "a", *waiting):
             gates.gate(rid).set()
             await asyncio.sleep(0)
-        return await asyncio.gather(*tasks)
+        outputs = await asyncio.gather(*tasks)
+        metrics = client.policy.metrics
+        return outputs, count(metrics.hash_seconds), metrics.busy_rejections._value.get()
 
-    outputs = run(with_client(gates, body, workers=2))
+    outputs, hashed, refused = run(with_client(gates, body, workers=2))
     assert outputs == [[7]] * 8
     assert gates.routed == ["a", "b", *waiting]
+    assert refused >= 1 and hashed == 8  # a refused request placed again is not hashed again
+
+
+def count(histogram) -> float:
+    """How many observations a prometheus Histogram holds."""
+    samples = histogram.collect()[0].samples
+    return next(s.value for s in samples if s.name.endswith("_count"))
 
 
 def test_a_newcomer_does_not_overtake_a_waiting_request():
