@@ -39,8 +39,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from frontend_bench import cpu_seconds
 from prometheus_client import CollectorRegistry
 from provenance import provenance
+from router_decision import percentile
 
 from shoal.protocol import (
     GENERATE_ENDPOINT,
@@ -61,17 +63,6 @@ BLOCK = 16
 CARD = ModelCard(
     model_name="m", tokenizer="", context_length=1 << 20, kv_block_size=BLOCK, num_kv_blocks=1 << 16
 )
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def request(request_id: str, prompt: list[int]) -> EngineRequest:
