@@ -264,7 +264,7 @@ class WorkerClient:
         try:
             if self.policy.remote:  # the router service waits, for every frontend at once
                 return await self.policy.route(candidates(), request, self.busy_wait)
-            prepared = await self.policy.prepare(candidates(), request)
+            prepared = self.policy.prepare(candidates(), request)
             return await self.busy.route(
                 lambda: self.policy.select(candidates(), request, prepared), self.busy_wait
             )

@@ -200,7 +200,7 @@ class KvRouter(Policy):
 
     # ---- routing (the Policy interface)
 
-    async def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> np.ndarray:
+    def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> np.ndarray:
         """The prompt's route hashes, once per request (a request waiting for a busy worker
         is placed again as load falls, not hashed again)."""
         return self._hashes(instances, request)

@@ -28,7 +28,7 @@ class Policy:
     async def close(self) -> None:
         pass
 
-    async def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> object:
+    def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> object:
         """What `select` needs computed once per request, however often a busy wait has it
         called (the KV router's prompt hashes); None for nothing."""
         return None

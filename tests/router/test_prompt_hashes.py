@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 from prometheus_client import CollectorRegistry
@@ -49,12 +48,12 @@ def test_prepared_hashes_route_as_inline_ones():
             lora_id=None,
         ),
     )
-    prepared = asyncio.run(router.prepare(INSTANCES, asked))
+    prepared = router.prepare(INSTANCES, asked)
     assert router.select(INSTANCES, asked, prepared).instance_id == "w2"
     router.finished(asked.request_id)
     assert router.select(INSTANCES, asked).instance_id == "w2"
     router.finished(asked.request_id)
     adapted = request(2048, lora_id=3)
-    prepared = asyncio.run(router.prepare(INSTANCES, adapted))
+    prepared = router.prepare(INSTANCES, adapted)
     assert router.indexer.overlaps(prepared) == {}
     assert registry.get_sample_value("shoal_router_hash_seconds_count") == 3
