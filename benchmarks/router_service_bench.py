@@ -135,8 +135,12 @@ def in_process_placement(instances: list[InstanceRecord], prompt: list[int], n: 
 
 
 async def bench(args: argparse.Namespace) -> list[dict]:
-    folder = tempfile.mkdtemp(prefix="shoal-router-bench-")
-    url = f"file://{folder}"
+    with tempfile.TemporaryDirectory(prefix="shoal-router-bench-") as folder:
+        return await bench_in(args, f"file://{folder}")
+
+
+async def bench_in(args: argparse.Namespace, url: str) -> list[dict]:
+    """bench() with the discovery folder at `url`."""
     rows = []
     async with DistributedRuntime(url) as runtime:
         for i in range(args.workers):
