@@ -23,6 +23,13 @@ def _offsets(n: int) -> np.ndarray:
     return np.arange(n) & (_STRIDE - 1)
 
 
+def _grown(array: np.ndarray, size: int) -> np.ndarray:
+    """`array` extended with zeros to `size` elements."""
+    grown = np.zeros(size, array.dtype)
+    grown[: len(array)] = array
+    return grown
+
+
 class BlockTable:
     """Block hash (uint64) -> block id (int), for many keys per call."""
 
@@ -175,10 +182,7 @@ class BlockTable:
         ids[reused:] = np.arange(self._next, self._next + n - reused)
         self._next += n - reused
         if self._next > len(self.key_of):
-            grown = np.zeros(max(2 * len(self.key_of), self._next), np.uint64)
-            grown[: len(self.key_of)] = self.key_of
-            self.key_of = grown
-            live = np.zeros(len(grown), bool)
-            live[: len(self._live_id)] = self._live_id
-            self._live_id = live
+            size = max(2 * len(self.key_of), self._next)
+            self.key_of = _grown(self.key_of, size)
+            self._live_id = _grown(self._live_id, size)
         return ids
