@@ -203,9 +203,6 @@ class KvRouter(Policy):
     def prepare(self, instances: list[InstanceRecord], request: EngineRequest) -> np.ndarray:
         """The prompt's route hashes, once per request (a request waiting for a busy worker
         is placed again as load falls, not hashed again)."""
-        return self._hashes(instances, request)
-
-    def _hashes(self, instances: list[InstanceRecord], request: EngineRequest) -> np.ndarray:
         t0 = time.perf_counter()
         hashes = prompt_hashes(request, block_size_of(instances, self.load.block_size))
         self.metrics.hash_seconds.observe(time.perf_counter() - t0)
@@ -216,7 +213,7 @@ class KvRouter(Policy):
     ) -> InstanceRecord:
         """The instance with the lowest cost; raises AllWorkersBusy if all are over threshold.
         prepared: the prompt's route hashes from `prepare` (hashed here if None)."""
-        hashes = self._hashes(instances, request) if prepared is None else prepared
+        hashes = self.prepare(instances, request) if prepared is None else prepared
         by_id = {i.instance_id: i for i in instances}
         return by_id[
             self.place(list(by_id), hashes, len(request.prompt_token_ids), request.request_id)
