@@ -122,7 +122,7 @@ async def capacity(
     return done
 
 
-def in_process_placement(instances: list[InstanceRecord], prompt: list[int], n: int) -> float:
+def in_process_select(instances: list[InstanceRecord], prompt: list[int], n: int) -> float:
     """p50 ms of an in-process KvRouter's select on the same empty index."""
     router = KvRouter(None, metrics=RouterMetrics(CollectorRegistry()), seed=0, replica_sync=False)
     times = []
@@ -177,7 +177,7 @@ async def bench_in(args: argparse.Namespace, url: str) -> list[dict]:
                         "prompt_tokens": length,
                         "round_trip_p50_ms": statistics.median(times),
                         "round_trip_p99_ms": percentile(times, 0.99),
-                        "in_process_select_p50_ms": in_process_placement(
+                        "in_process_select_p50_ms": in_process_select(
                             instances, prompt, args.requests
                         ),
                         "concurrency": args.concurrency,
