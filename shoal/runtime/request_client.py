@@ -89,6 +89,7 @@ class ResponseStream(Generic[T]):
         "_waiter",
         "endpoint",
         "next_timeout",
+        "started",
     )
 
     def __init__(
@@ -117,6 +118,7 @@ class ResponseStream(Generic[T]):
         self._owner_callback: Callable[[asyncio.Task[Any]], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._wait_start = 0.0
+        self.started = False  # a response has arrived
 
     def __aiter__(self) -> ResponseStream[T]:
         return self
@@ -205,6 +207,7 @@ class ResponseStream(Generic[T]):
             self._owner = None
 
     def _push(self, payload: bytes | msgspec.Raw) -> None:
+        self.started = True
         self._items.append(payload)
         self._wake()
 
@@ -366,8 +369,7 @@ class _Connection:
             if len(frames) != 1 or len(frame.payloads) != len(frame.rids):
                 log.warning("dropping a malformed StreamBatch from %s", self.address)
                 return
-            for rid, payload in zip(frame.rids, frame.payloads, strict=True):
-                self._data(rid, payload)
+            self._batch(frame.rids, frame.payloads)
         elif kind is StreamData:
             if len(frames) == 2:
                 self._data(frame.rid, frames[1])
@@ -385,6 +387,28 @@ class _Connection:
                     else remote_error(self.address, frame.code, frame.message)
                 )
                 stream._finish(error)
+
+    def _batch(self, rids: list[int], payloads: list[msgspec.Raw]) -> None:
+        """One message's responses, a stream's first one pushed before the rest.
+
+        Each push wakes its reader, and the loop runs the readers in that order. A batch is
+        a step's outputs for every stream of this connection, and a new request's first
+        token comes last in it (schedulers put running requests first). Pushed first, it
+        starts its response without waiting behind every running stream's next token.
+        """
+        streams = self.streams
+        running: list[tuple[ResponseStream[Any], msgspec.Raw]] = []
+        for rid, payload in zip(rids, payloads, strict=True):
+            stream = streams.get(rid)
+            if stream is None:
+                if rid not in self.cancelling:
+                    self.cancel(rid)
+            elif stream.started:
+                running.append((stream, payload))
+            else:
+                stream._push(payload)
+        for stream, payload in running:
+            stream._push(payload)
 
     def _data(self, rid: int, payload: bytes | msgspec.Raw) -> None:
         """One response of stream `rid`; a stream this side no longer knows is stopped."""

@@ -448,6 +448,38 @@ class StepEngine:
                 del self.sinks[rid]
 
 
+def test_a_streams_first_response_wakes_its_reader_before_running_streams() -> None:
+    async def main() -> None:
+        engine = StepEngine()
+        server = RequestServer()
+        await server.start()
+        server.add_endpoint(ENDPOINT, engine.handler, EngineRequest, push=True)
+        client = RequestClient()
+        running = [
+            client.stream(server.address, ENDPOINT, request(rid, 5), EngineOutput)
+            for rid in ["r0", "s0"]
+        ]
+        await wait_until(lambda: len(engine.sinks) == 2, timeout=5)
+        engine.step()
+        assert [(await anext(s)).new_token_ids for s in running] == [[0], [0]]
+        new = client.stream(server.address, ENDPOINT, request("new", 5), EngineOutput)
+        await wait_until(lambda: len(engine.sinks) == 3, timeout=5)
+        woken: list[str] = []
+
+        async def read(stream) -> None:
+            woken.append((await anext(stream)).request_id)
+
+        readers = [asyncio.create_task(read(s)) for s in [*running, new]]
+        await asyncio.sleep(0.01)  # every reader waits
+        engine.step()  # one message: the running streams' outputs first, then new's first
+        await asyncio.gather(*readers)
+        assert woken == ["new", "r0", "s0"]
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
 def test_push_endpoint_sends_each_step_as_one_message_per_client() -> None:
     async def main() -> None:
         engine = StepEngine()
