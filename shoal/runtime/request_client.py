@@ -54,6 +54,9 @@ T = TypeVar("T")
 
 DEFAULT_WINDOW = 256  # responses in flight per stream; credit goes back every half window
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
+# Readers a message wakes per turn of the loop: at ~40 us of frontend work per streamed
+# token, about 1.3 ms between two reads of the sockets at full load.
+WAKES_PER_TURN = 32
 
 
 class ResponseStream(Generic[T]):
@@ -207,9 +210,13 @@ class ResponseStream(Generic[T]):
             self._owner = None
 
     def _push(self, payload: bytes | msgspec.Raw) -> None:
+        self._hold(payload)
+        self._wake()
+
+    def _hold(self, payload: bytes | msgspec.Raw) -> None:
+        """Queue a response without waking the reader (the caller wakes it)."""
         self.started = True
         self._items.append(payload)
-        self._wake()
 
     def _finish(self, error: BaseException | None) -> None:
         self._done = True
@@ -389,26 +396,36 @@ class _Connection:
                 stream._finish(error)
 
     def _batch(self, rids: list[int], payloads: list[msgspec.Raw]) -> None:
-        """One message's responses, a stream's first one pushed before the rest.
+        """One message's responses: each is queued on its stream, then the readers are woken,
+        those of new streams first, WAKES_PER_TURN in each turn of the loop.
 
-        Each push wakes its reader, and the loop runs the readers in that order. A batch is
-        a step's outputs for every stream of this connection, and a new request's first
-        token comes last in it (schedulers put running requests first). Pushed first, it
-        starts its response without waiting behind every running stream's next token.
+        A batch is a step's outputs for every stream of this connection, and the loop runs
+        the readers in the order they are woken. A new request's first token comes last in
+        the batch (schedulers put running requests first); woken first, it starts its
+        response without waiting behind every running stream's next token. Between turns
+        the loop reads its sockets, so a request arriving meanwhile is taken in after one
+        turn's readers rather than after all of them.
         """
         streams = self.streams
-        running: list[tuple[ResponseStream[Any], msgspec.Raw]] = []
+        fresh: list[ResponseStream[Any]] = []
+        running: list[ResponseStream[Any]] = []
         for rid, payload in zip(rids, payloads, strict=True):
             stream = streams.get(rid)
             if stream is None:
                 if rid not in self.cancelling:
                     self.cancel(rid)
-            elif stream.started:
-                running.append((stream, payload))
-            else:
-                stream._push(payload)
-        for stream, payload in running:
-            stream._push(payload)
+                continue
+            (running if stream.started else fresh).append(stream)
+            stream._hold(payload)
+        fresh += running
+        self._wake_in_turns(fresh, 0)
+
+    def _wake_in_turns(self, readers: list[ResponseStream[Any]], first: int) -> None:
+        end = first + WAKES_PER_TURN
+        for stream in readers[first:end]:
+            stream._wake()
+        if end < len(readers):
+            self.loop.call_soon(self._wake_in_turns, readers, end)
 
     def _data(self, rid: int, payload: bytes | msgspec.Raw) -> None:
         """One response of stream `rid`; a stream this side no longer knows is stopped."""

@@ -34,6 +34,7 @@ from shoal.runtime import (
     RequestServer,
     WorkerLostError,
 )
+from shoal.runtime.request_client import WAKES_PER_TURN
 
 
 def request(rid: str = "r", max_tokens: int = 10) -> EngineRequest:
@@ -474,6 +475,38 @@ def test_a_streams_first_response_wakes_its_reader_before_running_streams() -> N
         engine.step()  # one message: the running streams' outputs first, then new's first
         await asyncio.gather(*readers)
         assert woken == ["new", "r0", "s0"]
+        await client.close()
+        await server.stop()
+
+    run(main())
+
+
+def test_a_large_message_wakes_its_readers_over_several_loop_turns() -> None:
+    async def main() -> None:
+        engine = StepEngine()
+        server = RequestServer()
+        await server.start()
+        server.add_endpoint(ENDPOINT, engine.handler, EngineRequest, push=True)
+        client = RequestClient()
+        count = 3 * WAKES_PER_TURN
+        streams = [
+            client.stream(server.address, ENDPOINT, request(f"r{i}", 5), EngineOutput)
+            for i in range(count)
+        ]
+        await wait_until(lambda: len(engine.sinks) == count, timeout=5)
+        seen: list[str] = []
+
+        async def read(stream) -> None:
+            seen.append((await anext(stream)).request_id)
+            if len(seen) == 1:  # work that arrives while the readers run
+                asyncio.get_running_loop().call_soon(seen.append, "other")
+
+        readers = [asyncio.create_task(read(s)) for s in streams]
+        await asyncio.sleep(0.01)
+        engine.step()  # one message for all of them
+        await asyncio.gather(*readers)
+        assert seen.index("other") <= 2 * WAKES_PER_TURN  # it did not wait for every reader
+        assert [r for r in seen if r != "other"] == [f"r{i}" for i in range(count)]
         await client.close()
         await server.stop()
 
