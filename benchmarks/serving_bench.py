@@ -247,6 +247,7 @@ def serve_half(args: argparse.Namespace, out_dir: Path) -> dict:
         bench = [sys.executable, "-m", "shoal", "bench", "run", "--url", url]
         bench += ["--tokenizer", str(args.model_dir), "--seed", str(args.seed)]
         bench += ["--concurrency", str(args.concurrency)]
+        bench += ["--client-processes", str(args.client_processes)]
         bench += ["--num-requests", str(args.num_requests)]
         bench += ["--input-len", f"uniform:{args.min_len}:{args.max_len}"]
         bench += ["--output-len", f"uniform:{args.min_len}:{args.max_len}"]
@@ -275,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="both halves (on: shoal serve's default, with the KV events a router reads)",
     )
     p.add_argument("--serve-args", default="", help="extra `shoal serve` flags, one string")
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="`shoal bench run --client-processes`: client processes driving `shoal serve`",
+    )
     p.add_argument("--half", choices=["engine", "serve", "both"], default="both")
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     return p
@@ -304,6 +311,7 @@ def main() -> None:
             "prefix_caching": args.prefix_caching,
             "sampling": "greedy, ignore_eos",
             "serve_args": args.serve_args,
+            "client_processes": args.client_processes,
         },
     }
     if args.half in ("engine", "both"):

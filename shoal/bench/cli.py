@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import resource
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -15,9 +14,16 @@ from typing import Any
 
 import aiohttp
 
-from shoal.bench.client import ENDPOINTS, OpenAIClient, list_models
+from shoal.bench.client import (
+    ENDPOINTS,
+    OpenAIClient,
+    endpoint_url,
+    list_models,
+    raise_fd_limit,
+)
 from shoal.bench.loadgen import ARRIVALS, LoadShape, run_load
 from shoal.bench.metrics import parse_slo, summarize
+from shoal.bench.processes import run_load_in_processes
 from shoal.bench.prompts import PromptBuilder
 from shoal.bench.report import (
     Run,
@@ -36,13 +42,13 @@ from shoal.bench.workloads import LengthDist, Session, multi_turn, single_turn
 
 WORKLOADS = ("synthetic", "shared-prefix", "multi-turn", "trace")
 DEFAULT_REQUESTS = 100
-FD_HEADROOM = 256
 
 EXAMPLES = """\
 examples:
   shoal bench run --url http://127.0.0.1:8000 --tokenizer ./model --concurrency 16 \\
       --input-len 1024 --output-len 128 --num-requests 200 --out out/bench/c16
   shoal bench run --tokenizer ./model --rate 20 --arrival poisson --max-concurrency 256
+  shoal bench run --tokenizer ./model --concurrency 1024 --client-processes 4
   shoal bench run --tokenizer ./model --sweep 1..256 --slo ttft=2000ms,itl=50ms --out out/sweep
   shoal bench run --workload shared-prefix --num-prefixes 8 --prefix-ratio 0.75 --concurrency 32
   shoal bench run --workload multi-turn --endpoint chat --num-sessions 32 --turns 5
@@ -321,6 +327,16 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--duration", type=float, metavar="S", help="stop starting requests after S seconds"
     )
     load.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="spread the load over N client processes, each with its own event loop and "
+        "connections, when one process cannot read every stream (its core busy; about "
+        "25,000 chunks/s); --concurrency and --max-concurrency are divided among them "
+        "(default: %(default)s)",
+    )
+    load.add_argument(
         "--warmup",
         type=int,
         default=0,
@@ -390,7 +406,13 @@ def _check_run_args(args: argparse.Namespace) -> str | None:
         return "--prefix-len/--prefix-ratio need --workload shared-prefix"
     if args.workload == "multi-turn" and args.num_requests is not None:
         return "multi-turn sends --num-sessions x --turns requests: use --num-sessions"
-    for name in ("num_requests", "concurrency", "max_concurrency", "num_sessions"):
+    for name in (
+        "num_requests",
+        "concurrency",
+        "max_concurrency",
+        "num_sessions",
+        "client_processes",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
@@ -473,15 +495,6 @@ def _workload(
     return sessions, len(sessions)
 
 
-def _raise_fd_limit(connections: int) -> None:
-    """Let the process hold `connections` sockets where the hard limit allows."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = connections + FD_HEADROOM
-    if soft != resource.RLIM_INFINITY and soft < want:
-        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
 def _headers(args: argparse.Namespace) -> dict[str, str]:
     headers = {}
     for item in args.header:
@@ -502,23 +515,34 @@ def _progress(total: int, label: str, disable: bool):
 
 async def _execute(
     args: argparse.Namespace,
-    client: OpenAIClient,
+    client_options: dict[str, Any],
     vocab: Vocabulary,
     plans: list[tuple[LoadShape, Iterable[Session], int]],
     warmup: list[Session],
 ) -> list[Run]:
     runs = []
-    async with client:
+    async with OpenAIClient(**client_options) as client:
         if warmup:
             level = max(1, min(len(warmup), plans[0][0].concurrency or len(warmup)))
             await run_load(warmup, LoadShape("concurrency", concurrency=level), client, vocab.count)
         for shape, sessions, planned in plans:
             bar = _progress(planned, shape.label, args.no_progress)
+            if args.client_processes > 1:
+                result = await asyncio.to_thread(
+                    run_load_in_processes,
+                    list(sessions),
+                    shape,
+                    client_options,
+                    args.tokenizer and str(args.tokenizer),
+                    args.client_processes,
+                    bar.update,
+                )
+            else:
 
-            def on_record(record, bar=bar) -> None:
-                bar.update(1)
+                def on_record(record, bar=bar) -> None:
+                    bar.update(1)
 
-            result = await run_load(sessions, shape, client, vocab.count, on_record)
+                result = await run_load(sessions, shape, client, vocab.count, on_record)
             bar.close()
             records = sorted(result.records, key=lambda r: r.index)
             summary = summarize(records, args.slo, exact_output=args.ignore_eos)
@@ -569,20 +593,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     capped = [s.concurrency for s in shapes]
     connections = 0 if None in capped else max(capped)
-    _raise_fd_limit(connections or 4096)
-    client = OpenAIClient(
-        args.url,
-        model,
-        args.endpoint,
-        timeout_s=args.timeout,
-        max_connections=connections,
-        headers=headers,
-        extra_body=args.extra_body,
-        ignore_eos=args.ignore_eos,
-        min_tokens=args.min_tokens,
-    )
-    print(f"model {model} at {client.url}; prompts from {vocab.source}", flush=True)
-    runs = asyncio.run(_execute(args, client, vocab, plans, warmup))
+    raise_fd_limit(connections or 4096)
+    client_options = {
+        "base_url": args.url,
+        "model": model,
+        "endpoint": args.endpoint,
+        "timeout_s": args.timeout,
+        "max_connections": connections,
+        "headers": headers,
+        "extra_body": args.extra_body,
+        "ignore_eos": args.ignore_eos,
+        "min_tokens": args.min_tokens,
+    }
+    url = endpoint_url(args.url, args.endpoint)
+    print(f"model {model} at {url}; prompts from {vocab.source}", flush=True)
+    runs = asyncio.run(_execute(args, client_options, vocab, plans, warmup))
     for run in runs:
         print(format_run(run))
         print()

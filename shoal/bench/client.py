@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,6 +17,7 @@ from shoal.bench.workloads import Turn
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 ERROR_DETAIL_CHARS = 300
 KEEPALIVE_S = 2.0  # seconds an idle pooled connection is kept (see OpenAIClient.__aenter__)
+FD_HEADROOM = 256  # file descriptors beyond the connections: files, pipes, the event loop
 
 
 @dataclass
@@ -273,6 +275,15 @@ class OpenAIClient:
             if choice.get("finish_reason"):
                 record.finish_reason = choice["finish_reason"]
         return got_text
+
+
+def raise_fd_limit(connections: int) -> None:
+    """Let the process hold `connections` sockets where the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + FD_HEADROOM
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 async def list_models(base_url: str, timeout_s: float = 10.0) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,15 +62,39 @@ class RunResult:
     wall_s: float
 
 
+def scheduled(sessions: Iterable[Session], shape: LoadShape) -> Iterator[tuple[Session, float]]:
+    """Each session of a rate or replay run with its start (seconds from the run's start),
+    up to the shape's duration."""
+    rng = np.random.default_rng(shape.seed)
+    at = 0.0
+    for i, session in enumerate(sessions):
+        if shape.mode == "replay":
+            at = session.arrival_s or 0.0
+        elif i:
+            gap = 1.0 / shape.rate
+            at += rng.exponential(gap) if shape.arrival == "poisson" else gap
+        if shape.duration_s is not None and at >= shape.duration_s:
+            return
+        yield session, at
+
+
 async def run_load(
     sessions: Iterable[Session],
     shape: LoadShape,
     client: OpenAIClient,
     count: Callable[[str], int],
     on_record: Callable[[RequestRecord], None] | None = None,
+    origin: float | None = None,
 ) -> RunResult:
-    """Send every session under `shape`; `count` gives client-side token counts of replies."""
-    runner = _Runner(client, count, shape, on_record)
+    """Send every session under `shape`; `count` gives client-side token counts of replies.
+
+    origin: the run's start on `time.perf_counter`'s clock (default: now); a run given a
+    later one waits for it, so that several processes can start one run together.
+    """
+    runner = _Runner(client, count, shape, on_record, origin)
+    delay = runner.origin - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
     if shape.mode == "concurrency":
         await runner.fixed_concurrency(sessions)
     else:
@@ -79,7 +103,7 @@ async def run_load(
 
 
 class _Runner:
-    def __init__(self, client, count, shape: LoadShape, on_record) -> None:
+    def __init__(self, client, count, shape: LoadShape, on_record, origin: float | None) -> None:
         self.client = client
         self.count = count
         self.shape = shape
@@ -88,7 +112,7 @@ class _Runner:
         self.slots = asyncio.Semaphore(cap) if cap else None
         self.records: list[RequestRecord] = []
         self.next_index = 0
-        self.origin = time.perf_counter()
+        self.origin = time.perf_counter() if origin is None else origin
 
     def now(self) -> float:
         return time.perf_counter() - self.origin
@@ -108,17 +132,8 @@ class _Runner:
         await asyncio.gather(*(worker() for _ in range(self.shape.concurrency)))
 
     async def timed(self, sessions: Iterable[Session]) -> None:
-        rng = np.random.default_rng(self.shape.seed)
         tasks: set[asyncio.Task] = set()
-        at = 0.0
-        for i, session in enumerate(sessions):
-            if self.shape.mode == "replay":
-                at = session.arrival_s or 0.0
-            elif i:
-                gap = 1.0 / self.shape.rate
-                at += rng.exponential(gap) if self.shape.arrival == "poisson" else gap
-            if self.shape.duration_s is not None and at >= self.shape.duration_s:
-                break
+        for session, at in scheduled(sessions, self.shape):
             delay = at - self.now()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -289,3 +289,50 @@ def test_shoal_command_has_bench():
         check=True,
     )
     assert "results.json" in result.stdout
+
+
+def test_client_processes_share_one_run(stub, tokenizer_json, tmp_path):
+    out = tmp_path / "processes"
+    code = bench_cli(
+        "run",
+        *common(stub, tokenizer_json, ttft_ms=20, itl_ms=5, hold_until=6),
+        "--client-processes", "2",
+        "--concurrency", "6",
+        "--num-requests", "12",
+        "--input-len", "16",
+        "--output-len", "4",
+        "--no-plots",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0 and stub.count == 12
+    assert stub.max_in_flight == 6  # each process held its three streams, all at once
+    run = load(out)["runs"][0]
+    assert run["label"] == "concurrency=6"
+    assert sorted(r["index"] for r in run["requests"]) == list(range(12))
+    assert max_overlap(run["requests"]) == 6  # one clock: the records line up
+    assert all(r["output_tokens"] == 4 and len(r["itl_s"]) == 3 for r in run["requests"])
+    assert run["summary"]["requests"]["ok"] == 12
+    assert run["summary"]["tokens"]["input_check"]["mismatches"] == 0
+
+
+def test_client_processes_keep_a_rate_runs_arrivals(stub, tokenizer_json, tmp_path):
+    out = tmp_path / "rate"
+    code = bench_cli(
+        "run",
+        *common(stub, tokenizer_json, ttft_ms=5),
+        "--client-processes", "3",
+        "--rate", "50",
+        "--arrival", "constant",
+        "--max-concurrency", "6",
+        "--num-requests", "6",
+        "--input-len", "8",
+        "--output-len", "2",
+        "--no-plots",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0 and stub.count == 6 and stub.max_in_flight <= 6
+    run = load(out)["runs"][0]
+    assert run["label"] == "rate=50/s(constant),max_concurrency=6"
+    requests = sorted(run["requests"], key=lambda r: r["scheduled_s"])
+    assert [r["scheduled_s"] for r in requests] == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08, 0.1])
+    assert all(r["start_s"] >= r["scheduled_s"] - 1e-3 for r in requests)

@@ -1,0 +1,41 @@
+"""Splitting one load run over client processes: each process's sessions and shape."""
+
+from __future__ import annotations
+
+from shoal.bench.loadgen import LoadShape, scheduled
+from shoal.bench.processes import shares, split
+from shoal.bench.workloads import Session
+
+
+def sessions(n: int) -> list[Session]:
+    return [Session(id=i) for i in range(n)]
+
+
+def test_shares_are_even_and_sum_to_the_total():
+    assert shares(7, 3) == [3, 2, 2]
+    assert shares(6, 3) == [2, 2, 2]
+    assert shares(2, 4) == [1, 1, 0, 0]
+
+
+def test_a_concurrency_is_divided_and_sessions_dealt_round_robin():
+    parts = split(sessions(5), LoadShape("concurrency", concurrency=5, duration_s=3.0), 2)
+    assert [[s.id for s in mine] for mine, _ in parts] == [[0, 2, 4], [1, 3]]
+    assert [shape.concurrency for _, shape in parts] == [3, 2]
+    assert all(shape.mode == "concurrency" and shape.duration_s == 3.0 for _, shape in parts)
+
+
+def test_no_process_gets_nothing():
+    parts = split(sessions(5), LoadShape("concurrency", concurrency=2), 4)
+    assert [[s.id for s in mine] for mine, _ in parts] == [[0, 2, 4], [1, 3]]
+    assert [shape.concurrency for _, shape in parts] == [1, 1]
+    assert len(split(sessions(1), LoadShape("rate", rate=5.0), 4)) == 1
+
+
+def test_a_rate_becomes_a_replay_of_the_same_arrivals():
+    shape = LoadShape("rate", rate=10.0, concurrency=5, seed=3, duration_s=1.0)
+    expected = {s.id: at for s, at in scheduled(sessions(20), shape)}
+    parts = split(sessions(20), shape, 3)
+    assert [part.concurrency for _, part in parts] == [2, 2, 1]
+    assert all(part.mode == "replay" and part.duration_s == 1.0 for _, part in parts)
+    got = {s.id: s.arrival_s for mine, _ in parts for s in mine}
+    assert got == expected and len(got) < 20  # the duration cut the schedule short
