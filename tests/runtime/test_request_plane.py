@@ -449,13 +449,18 @@ class StepEngine:
                 del self.sinks[rid]
 
 
+async def step_serving(engine: StepEngine) -> tuple[RequestServer, RequestClient]:
+    """A server whose push endpoint `engine` feeds, and a client for it."""
+    server = RequestServer()
+    await server.start()
+    server.add_endpoint(ENDPOINT, engine.handler, EngineRequest, push=True)
+    return server, RequestClient()
+
+
 def test_a_streams_first_response_wakes_its_reader_before_running_streams() -> None:
     async def main() -> None:
         engine = StepEngine()
-        server = RequestServer()
-        await server.start()
-        server.add_endpoint(ENDPOINT, engine.handler, EngineRequest, push=True)
-        client = RequestClient()
+        server, client = await step_serving(engine)
         running = [
             client.stream(server.address, ENDPOINT, request(rid, 5), EngineOutput)
             for rid in ["r0", "s0"]
@@ -484,10 +489,7 @@ def test_a_streams_first_response_wakes_its_reader_before_running_streams() -> N
 def test_a_large_message_wakes_its_readers_over_several_loop_turns() -> None:
     async def main() -> None:
         engine = StepEngine()
-        server = RequestServer()
-        await server.start()
-        server.add_endpoint(ENDPOINT, engine.handler, EngineRequest, push=True)
-        client = RequestClient()
+        server, client = await step_serving(engine)
         count = 3 * WAKES_PER_TURN
         streams = [
             client.stream(server.address, ENDPOINT, request(f"r{i}", 5), EngineOutput)
@@ -516,10 +518,7 @@ def test_a_large_message_wakes_its_readers_over_several_loop_turns() -> None:
 def test_push_endpoint_sends_each_step_as_one_message_per_client() -> None:
     async def main() -> None:
         engine = StepEngine()
-        server = RequestServer()
-        await server.start()
-        server.add_endpoint(ENDPOINT, engine.handler, EngineRequest, push=True)
-        client = RequestClient()
+        server, client = await step_serving(engine)
         streams = [
             client.stream(server.address, ENDPOINT, request(f"r{i}", 5), EngineOutput)
             for i in range(20)
