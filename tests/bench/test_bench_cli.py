@@ -336,3 +336,29 @@ def test_client_processes_keep_a_rate_runs_arrivals(stub, tokenizer_json, tmp_pa
     requests = sorted(run["requests"], key=lambda r: r["scheduled_s"])
     assert [r["scheduled_s"] for r in requests] == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08, 0.1])
     assert all(r["start_s"] >= r["scheduled_s"] - 1e-3 for r in requests)
+
+
+def test_client_processes_run_multi_turn_sessions_whole(stub, tokenizer_json, tmp_path):
+    out = tmp_path / "mt-processes"
+    code = bench_cli(
+        "run",
+        *common(stub, tokenizer_json, ttft_ms=10),
+        "--client-processes", "2",
+        "--workload", "multi-turn",
+        "--endpoint", "chat",
+        "--num-sessions", "2",
+        "--turns", "2",
+        "--input-len", "6",
+        "--output-len", "2",
+        "--sweep", "1,4",
+        "--no-plots",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0
+    runs = load(out)["runs"]
+    assert [len(r["requests"]) for r in runs] == [4, 16]
+    assert [max_overlap(r["requests"]) for r in runs] == [1, 4]
+    for run in runs:  # each session's second turn carries its first turn and reply
+        turns = sorted(run["requests"], key=lambda r: (r["session"], r["turn"]))
+        assert [r["messages"] for r in turns] == [1, 3] * (len(turns) // 2)
+        assert all(r["error_kind"] is None for r in turns)
