@@ -43,6 +43,8 @@ def split(
     """
     if shape.mode != "concurrency":
         sessions = [replace(s, arrival_s=at) for s, at in scheduled(sessions, shape)]
+    if not sessions:
+        return []
     n = min(n, len(sessions), shape.concurrency or n)
     limits = shares(shape.concurrency, n) if shape.concurrency else [None] * n
     parts = []

@@ -29,6 +29,7 @@ def test_no_process_gets_nothing():
     assert [[s.id for s in mine] for mine, _ in parts] == [[0, 2, 4], [1, 3]]
     assert [shape.concurrency for _, shape in parts] == [1, 1]
     assert len(split(sessions(1), LoadShape("rate", rate=5.0), 4)) == 1
+    assert split([], LoadShape("concurrency", concurrency=3), 2) == []
 
 
 def test_a_rate_becomes_a_replay_of_the_same_arrivals():
