@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import json
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -528,15 +529,20 @@ async def _execute(
         for shape, sessions, planned in plans:
             bar = _progress(planned, shape.label, args.no_progress)
             if args.client_processes > 1:
-                result = await asyncio.to_thread(
-                    run_load_in_processes,
-                    list(sessions),
-                    shape,
-                    client_options,
-                    args.tokenizer and str(args.tokenizer),
-                    args.client_processes,
-                    bar.update,
-                )
+                stop = threading.Event()
+                try:
+                    result = await asyncio.to_thread(
+                        run_load_in_processes,
+                        list(sessions),
+                        shape,
+                        client_options,
+                        args.tokenizer and str(args.tokenizer),
+                        args.client_processes,
+                        bar.update,
+                        stop,
+                    )
+                finally:
+                    stop.set()  # when cancelled (Ctrl-C): the processes are killed
             else:
 
                 def on_record(record, bar=bar) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -65,18 +66,22 @@ def run_load_in_processes(
     tokenizer: str | None,
     processes: int,
     progress: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> RunResult:
     """run_load over `processes` processes (spawned); returns the merged run under `shape`.
 
     client_options: OpenAIClient's arguments (max_connections is set per process).
     tokenizer: the --tokenizer path, loaded again in each process for reply token counts.
     progress(n): called with the number of requests finished since the last call.
+    stop: once set, the processes are killed and RunStopped is raised (a caller running
+    this in a thread sets it when it is cancelled, e.g. by Ctrl-C).
     """
     parts = split(sessions, shape, processes)
     context = multiprocessing.get_context("spawn")
     finished = context.Value("i", 0)
     pipes: list[Connection] = []
     children = []
+    complete = False
     try:
         for mine, part in parts:
             ours, theirs = context.Pipe()
@@ -99,6 +104,8 @@ def run_load_in_processes(
         wall = 0.0
         pending, reported = list(pipes), 0
         while pending:
+            if stop is not None and stop.is_set():
+                raise RunStopped(f"{len(pending)} client processes stopped before their end")
             for pipe in wait(pending, timeout=PROGRESS_POLL_S):
                 pending.remove(pipe)
                 done, seconds = _reply(pipe)
@@ -107,17 +114,23 @@ def run_load_in_processes(
             if progress is not None and finished.value > reported:
                 progress(finished.value - reported)
                 reported = finished.value
+        complete = True
     finally:
         for pipe in pipes:
-            pipe.close()
+            pipe.close()  # a process still waiting for its start reads the end and exits
         for child in children:
-            child.join(timeout=5)
+            child.join(timeout=5 if complete else 0.5)
             if child.is_alive():
                 child.kill()
+                child.join()
     records.sort(key=lambda r: (r.start_s, r.session, r.turn))
     for index, record in enumerate(records):
         record.index = index
     return RunResult(shape, records, wall)
+
+
+class RunStopped(Exception):
+    """run_load_in_processes was stopped before every process ended."""
 
 
 def _reply(pipe: Connection) -> Any:

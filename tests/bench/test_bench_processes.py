@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
+import time
+
+import pytest
+
 from shoal.bench.loadgen import LoadShape, scheduled
-from shoal.bench.processes import shares, split
-from shoal.bench.workloads import Session
+from shoal.bench.processes import RunStopped, run_load_in_processes, shares, split
+from shoal.bench.workloads import Session, Turn
 
 
 def sessions(n: int) -> list[Session]:
@@ -40,3 +46,21 @@ def test_a_rate_becomes_a_replay_of_the_same_arrivals():
     assert all(part.mode == "replay" and part.duration_s == 1.0 for _, part in parts)
     got = {s.id: s.arrival_s for mine, _ in parts for s in mine}
     assert got == expected and len(got) < 20  # the duration cut the schedule short
+
+
+def test_a_stopped_run_ends_its_processes(stub, tokenizer_json):
+    stop = threading.Event()
+    options = {
+        "base_url": stub.url,
+        "model": "stub-model",
+        "extra_body": {"stub": {"itl_ms": 50}},
+    }
+    turns = [Turn(text="a b c", tokens=3, max_tokens=200)]
+    work = [Session(id=i, turns=turns) for i in range(4)]
+    shape = LoadShape("concurrency", concurrency=4)
+    threading.Timer(3.0, stop.set).start()  # the processes are streaming by then
+    start = time.monotonic()
+    with pytest.raises(RunStopped):
+        run_load_in_processes(work, shape, options, str(tokenizer_json), 2, stop=stop)
+    assert time.monotonic() - start < 3.0 + 3.0  # not the 10 s the streams would take
+    assert not multiprocessing.active_children()
