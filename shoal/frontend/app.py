@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from starlette.responses import Response
 
@@ -20,6 +22,7 @@ from shoal.frontend.protocol_openai import (
     CompletionRequest,
     ErrorResponse,
 )
+from shoal.frontend.request_body import parse_body
 from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing, json_response
 from shoal.frontend.tokenizer_pool import TokenizerPool
 from shoal.frontend.tool_parsers.output import ParserConfig
@@ -55,6 +58,45 @@ GENERATION_ERRORS = _error_responses(
         503: "No worker serves the model right now",
     }
 )
+
+
+# The generation routes' signatures as OpenAPI shows them; the routes that serve them take
+# the Request and parse the body themselves (request_body.py). Their docstrings are the
+# operations' descriptions.
+
+
+async def _chat_schema(body: ChatCompletionRequest) -> Response:
+    """OpenAI's chat completions: a whole response, or server-sent events with `stream`."""
+    raise NotImplementedError
+
+
+async def _completions_schema(body: CompletionRequest) -> Response:
+    """OpenAI's (legacy) completions: a whole response, or server-sent events with `stream`."""
+    raise NotImplementedError
+
+
+def _document_generation_routes(app: FastAPI) -> None:
+    """/openapi.json describes the generation routes, which are plain Starlette routes
+    (see request_body.py), from FastAPI routes declared for the schema and never mounted."""
+    documented = [
+        APIRoute(path, endpoint, methods=["POST"], name=name, responses=GENERATION_ERRORS)
+        for path, endpoint, name in (
+            ("/v1/chat/completions", _chat_schema, "chat_completions"),
+            ("/v1/completions", _completions_schema, "completions"),
+        )
+    ]
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                summary=app.summary,
+                routes=[*documented, *app.routes],
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def build_app(
@@ -95,13 +137,15 @@ def build_app(
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    @app.post("/v1/chat/completions", responses=GENERATION_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat(body, request)
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(await parse_body(request, ChatCompletionRequest), request)
 
-    @app.post("/v1/completions", responses=GENERATION_ERRORS)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completions(body, request)
+    async def completions(request: Request) -> Response:
+        return await serving.completions(await parse_body(request, CompletionRequest), request)
+
+    app.add_route("/v1/chat/completions", chat_completions, ["POST"], include_in_schema=False)
+    app.add_route("/v1/completions", completions, ["POST"], include_in_schema=False)
+    _document_generation_routes(app)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -70,6 +70,28 @@ def test_malformed_json_is_400(http):
 
 
 @pytest.mark.parametrize(
+    ("headers", "content", "status", "message"),
+    [
+        ({}, json.dumps(chat_body()).encode(), 400, "valid dictionary"),  # not read as JSON
+        ({"content-type": "text/plain"}, json.dumps(chat_body()).encode(), 400, "dictionary"),
+        ({"content-type": "application/json"}, b"", 400, "Field required"),
+        ({"content-type": "application/json"}, b"[1, 2]", 400, "dictionary"),
+        ({"content-type": "application/json"}, b'{"\xd8": 1}', 400, "error parsing the body"),
+        ({"content-type": "application/json; charset=utf-8"}, None, 200, None),
+        ({"content-type": "application/vnd.api+json"}, None, 200, None),
+    ],
+)
+def test_the_body_is_json_only_with_a_json_content_type(http, headers, content, status, message):
+    body = json.dumps(chat_body()).encode() if content is None else content
+    reply = http.post("/v1/chat/completions", content=body, headers=headers)
+    assert reply.status_code == status, reply.text
+    if message is not None:
+        error = error_shape(reply.json())
+        assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert_serves(http)
+
+
+@pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
         ("/v1/chat/completions", {"temperature": -1}, "temperature"),
