@@ -1,7 +1,7 @@
 """One load run spread over several client processes, for loads one process cannot read.
 
 A single client process parses every streamed chunk on one core: at about 25,000 chunks/s
-it is busy all the time and its own queueing shows up in the latencies it reports. Each
+it is busy nearly all the time, and past that it cannot read what a server sends. Each
 process here runs its share of the sessions with its own event loop and connections; all
 start at one moment on the shared monotonic clock, so their records form one run.
 """
