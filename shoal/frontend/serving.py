@@ -71,9 +71,12 @@ class OpenAIServing:
         self.started = int(time.time())
 
     async def _model(self, name: str, request: Request) -> tuple[ModelCard, ModelTokenizer]:
-        card = self.client.models().get(name)
+        """The model's card and tokenizer: 404 for a model no worker has served, 503 while
+        this frontend has seen no worker at all (it is starting; the model may be coming)."""
+        known = self.client.models()
+        card = known.get(name)
         if card is None:
-            raise model_not_found(name)
+            raise model_not_found(name) if known else no_worker(name)
         request.state.model = name
         return card, await self.tokenizers.get(card.tokenizer)
 

@@ -241,6 +241,11 @@ def test_health_is_503_without_models():
         assert httpx.get(f"{server.url}/health").status_code == 503
         assert httpx.get(f"{server.url}/live").status_code == 200
         assert httpx.get(f"{server.url}/v1/models").json()["data"] == []
+        # no worker seen yet: any model may be coming, so 503 with Retry-After, not 404
+        body = {"model": "tiny-llama", "prompt": "x", "max_tokens": 2}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+        assert error_shape(reply.json())["code"] == "no_worker_available"
     finally:
         server.stop()
 
