@@ -406,17 +406,13 @@ class _Connection:
         the loop reads its sockets, so a request arriving meanwhile is taken in after one
         turn's readers rather than after all of them.
         """
-        streams = self.streams
         fresh: list[ResponseStream[Any]] = []
         running: list[ResponseStream[Any]] = []
         for rid, payload in zip(rids, payloads, strict=True):
-            stream = streams.get(rid)
-            if stream is None:
-                if rid not in self.cancelling:
-                    self.cancel(rid)
-                continue
-            (running if stream.started else fresh).append(stream)
-            stream._hold(payload)
+            stream = self._known(rid)
+            if stream is not None:
+                (running if stream.started else fresh).append(stream)
+                stream._hold(payload)
         fresh += running
         self._wake_in_turns(fresh, 0)
 
@@ -428,12 +424,18 @@ class _Connection:
             self.loop.call_soon(self._wake_in_turns, readers, end)
 
     def _data(self, rid: int, payload: bytes | msgspec.Raw) -> None:
-        """One response of stream `rid`; a stream this side no longer knows is stopped."""
-        stream = self.streams.get(rid)
+        """One response of stream `rid`."""
+        stream = self._known(rid)
         if stream is not None:
             stream._push(payload)
-        elif rid not in self.cancelling:
+
+    def _known(self, rid: int) -> ResponseStream[Any] | None:
+        """Stream `rid`, or None: a stream this side no longer knows is stopped on the
+        worker (unless already being cancelled)."""
+        stream = self.streams.get(rid)
+        if stream is None and rid not in self.cancelling:
             self.cancel(rid)
+        return stream
 
     def _on_monitor(self, frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)["event"]
