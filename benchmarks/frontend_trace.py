@@ -3,7 +3,7 @@
     python benchmarks/frontend_trace.py OUT_DIR -m shoal frontend ...
 
 Wraps, before running the module, the functions a request and its outputs pass through: in
-the frontend the HTTP bytes' arrival (uvicorn), the FastAPI endpoint's call and each body
+the frontend the HTTP bytes' arrival (uvicorn), the generation route's call and each body
 write; in both processes every request-plane message sent or received (LoopSocket); in the
 worker the engine thread's taking a request, each step's start, the hand-over of a step's
 outputs and the event loop's dispatch of them. Each timestamp is time.perf_counter
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 MIN_FRAMES = 60  # bytes: request-plane messages shorter than this are heartbeats or credit
 
 FIRST_TOKEN = [
-    ("f:endpoint", "HTTP bytes in -> FastAPI endpoint called"),
+    ("f:endpoint", "HTTP bytes in -> the generation route called"),
     ("f:send", "-> request sent on the request plane (preprocess, route, open)"),
     ("w:recv", "-> the worker's loop has it"),
     ("w:add", "-> the engine thread takes it"),
@@ -99,12 +99,13 @@ def install(out_dir: str, role: str) -> None:
         engine._apply, engine._step, engine._deliver = traced_apply, traced_step, traced_deliver
         engine._dispatch = traced_dispatch
     else:
-        import fastapi.routing
         from uvicorn.protocols.http import httptools_impl
+
+        from shoal.frontend import app
 
         protocol, cycle = httptools_impl.HttpToolsProtocol, httptools_impl.RequestResponseCycle
         received, respond = protocol.data_received, cycle.send
-        endpoint = fastapi.routing.run_endpoint_function
+        parse_body = app.parse_body
 
         def traced_received(self, data: bytes) -> None:
             stamp("http_in", len(data))
@@ -115,12 +116,12 @@ def install(out_dir: str, role: str) -> None:
                 stamp("body", len(message.get("body", b"")))
             await respond(self, message)
 
-        async def traced_endpoint(*args, **kwargs):
+        async def traced_parse_body(*args, **kwargs):
             stamp("endpoint")
-            return await endpoint(*args, **kwargs)
+            return await parse_body(*args, **kwargs)
 
         protocol.data_received, cycle.send = traced_received, traced_respond
-        fastapi.routing.run_endpoint_function = traced_endpoint
+        app.parse_body = traced_parse_body
 
 
 def _load(out_dir: str) -> list[tuple[float, str, int]]:

@@ -23,8 +23,8 @@ if {role!r} == "worker":
         "traced_apply", "traced_step", "traced_deliver", "traced_dispatch"
     ]
 else:
-    import fastapi.routing
-    assert fastapi.routing.run_endpoint_function.__name__ == "traced_endpoint"
+    from shoal.frontend import app
+    assert app.parse_body.__name__ == "traced_parse_body"
 """
 
 
