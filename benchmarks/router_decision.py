@@ -9,9 +9,12 @@ times) and times KvRouter.select on it: hashing the prompt, walking the index, p
 worker and counting the load, as a frontend routes a request (the request is finished after
 each decision, so the load stays the same). Figures: p50/p99 decision time, its CPU time
 p50 (the thread's own, which a loaded host does not inflate as much), and the hash and
-index-walk p50 inside it; p50/p99 of the placement alone (select given the prompt's hashes,
-as `prepare` hands them over: what a request waiting for a busy worker costs each time it
-is placed again, and what the router service runs for every request); event
+index-walk p50 inside it, and the p50 of building the request before it (the
+EngineRequest packs the tokenizer's list into an array of u32, which the hash reads in
+place and the request plane sends as one bin); p50/p99 of the placement alone (select
+given the prompt's hashes, as `prepare` hands them over: what a request waiting for a busy
+worker costs each time it is placed again, and what the router service runs for every
+request); event
 application rates in block operations per second (one block stored on or removed from one
 worker is one operation), while building the index and while removing and re-storing a
 tenth of it, and the rate re-hashing the events' token ids alone would allow.
@@ -160,15 +163,19 @@ def time_decisions(
 ) -> dict:
     """Decision times (ms) for `prompt`, repeated for about `budget` seconds (10 at least):
     the whole select (hash included), and the placement alone (select given the hashes, as
-    `prepare` hands them over; all the router service runs)."""
+    `prepare` hands them over; all the router service runs). The request is built from the
+    token list first, as the frontend builds it, which packs the prompt: that time is
+    request_pack, outside the decision."""
     indexer = router.indexer
-    decisions, cpu, placements, hashing, walking = [], [], [], [], []
+    decisions, cpu, placements, hashing, walking, packing = [], [], [], [], [], []
     deadline = time.perf_counter() + budget
     i = 0
     while i < 10 or time.perf_counter() < deadline:
+        p0 = time.perf_counter()
         request = EngineRequest(
             request_id=f"q{i}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=1)
         )
+        packing.append((time.perf_counter() - p0) * 1e3)
         c0 = time.thread_time()
         t0 = time.perf_counter()
         router.select(instances, request)
@@ -197,6 +204,7 @@ def time_decisions(
         "hash_p50_ms": statistics.median(hashing),
         "hash_p99_ms": percentile(hashing, 0.99),
         "index_walk_p50_ms": statistics.median(walking),
+        "request_pack_p50_ms": statistics.median(packing),
     }
 
 

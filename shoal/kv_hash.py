@@ -160,9 +160,12 @@ _CHUNK_BLOCKS = 1024  # blocks hashed per pass: its arrays stay in cache and on 
 
 
 def _uint32(token_ids: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
-    """The first `count` token ids as a little-endian uint32 array."""
+    """The first `count` token ids as a little-endian uint32 array (a packed array of u32,
+    as an EngineRequest holds its prompt, is read in place)."""
     if isinstance(token_ids, np.ndarray):
         return token_ids[:count].astype("<u4", copy=False)
+    if type(token_ids) is array and token_ids.typecode == "I":
+        return np.frombuffer(token_ids, np.uint32, count).astype("<u4", copy=False)
     return np.frombuffer(_u32(token_ids), "<u4")[:count]
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from typing import ClassVar
+from array import array
+from collections.abc import Iterable
+from sys import byteorder
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -271,11 +274,49 @@ class KVAgentInfo(msgspec.Struct, kw_only=True):
     ipc_handles: list[CudaIpcHandle] = msgspec.field(default_factory=list)
 
 
+def pack_token_ids(token_ids: Iterable[int]) -> array:
+    """Token ids as a packed array of u32: what EngineRequest holds and the request plane
+    carries as one msgpack bin (little-endian), so a prompt of any length costs one copy to
+    send and to receive instead of an integer object per token. ValueError unless every id
+    is an integer in [0, 2**32)."""
+    if type(token_ids) is array and token_ids.typecode == "I":
+        return token_ids
+    try:
+        return array("I", token_ids)
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"token ids must be integers from 0 to 2**32 - 1 ({e})") from None
+
+
+def token_ids_to_wire(token_ids: array) -> bytes:
+    """The packed ids as little-endian bytes (the msgpack bin the request plane carries)."""
+    if byteorder == "little":
+        return token_ids.tobytes()
+    swapped = array("I", token_ids)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def token_ids_from_wire(data: Any) -> array:
+    """Packed ids from their wire form: the bin token_ids_to_wire makes, or (a sender that
+    does not pack them) a msgpack array of integers. ValueError for anything else."""
+    if isinstance(data, bytes):
+        if len(data) % 4:
+            raise ValueError("packed token ids must be a whole number of 4-byte values")
+        ids = array("I")
+        ids.frombytes(data)
+        if byteorder != "little":
+            ids.byteswap()
+        return ids
+    if isinstance(data, list):
+        return pack_token_ids(data)
+    raise ValueError(f"expected token ids (bin or array), got {type(data).__name__}")
+
+
 class EngineRequest(msgspec.Struct, kw_only=True):
     """A token-level request sent to a worker."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: array  # pack_token_ids: a list given here is packed on construction
     sampling: SamplingParams
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     lora_id: int | None = None
@@ -286,6 +327,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # sampling.max_tokens and min_tokens count only the tokens still to come.
     num_output_tokens_before: int = 0
     kv_transfer: KVTransferParams | None = None  # disaggregated prefill (KVTransferParams)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = pack_token_ids(self.prompt_token_ids)
 
 
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

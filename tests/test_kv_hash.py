@@ -18,7 +18,7 @@ from shoal.kv_hash import (
     route_hash_runs,
     route_hashes,
 )
-from shoal.protocol import SamplingParams
+from shoal.protocol import SamplingParams, pack_token_ids
 from shoal.router.indexer import KvIndexer
 
 
@@ -131,9 +131,10 @@ def test_route_hashes_match_their_definition_written_out():
         tokens = [rng.randrange(1 << 32) for _ in range(rng.randrange(0, 300))]
         extra = rng.choice([b"", extra_key(lora_id=3), extra_key(mm_hashes=["ab", "cd"])])
         parent = rng.choice([None, 0, rng.randrange(1 << 64)])
-        assert route_hashes(tokens, size, extra, parent).tolist() == route_reference(
-            tokens, size, extra, parent
-        )
+        want = route_reference(tokens, size, extra, parent)
+        assert route_hashes(tokens, size, extra, parent).tolist() == want
+        packed = pack_token_ids(tokens)  # a request's prompt, read in place
+        assert route_hashes(packed, size, extra, parent).tolist() == want
 
 
 def test_route_hash_runs_chain_each_run_from_its_parent():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from array import array
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shoal.engine.config import EngineConfig
@@ -337,8 +339,8 @@ class LLMEngine:
         rid, sp = request.request_id, request.sampling
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        prompt = list(request.prompt_token_ids)
-        self._validate(prompt, sp)
+        self._validate(request.prompt_token_ids, sp)
+        prompt = request.prompt_token_ids.tolist()
         max_tokens = (
             sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(prompt)
         )
@@ -376,12 +378,15 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _validate(self, prompt: list[int], sp: SamplingParams) -> None:
+    def _validate(self, prompt: array, sp: SamplingParams) -> None:
+        """Raise ValueError if the packed prompt or its limits can never be served; the ids
+        are checked in one vectorised pass (a Python pass costs ~40 ns a token)."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
+        ids = np.frombuffer(prompt, np.uint32)
+        if int(ids.max()) >= vocab:
+            bad = int(ids[ids >= vocab][0])
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
         if len(prompt) >= self.max_model_len:
             raise ValueError(

@@ -18,6 +18,7 @@ from shoal.protocol import (
     EngineRequest,
     InstanceRecord,
     ModelCard,
+    pack_token_ids,
 )
 from shoal.router import make_router
 from shoal.router.busy import AllWorkersBusy, BusyQueue
@@ -358,7 +359,7 @@ def _continuation(
     return msgspec.structs.replace(
         request,
         request_id=f"{request.request_id}~{migration}.{index}",
-        prompt_token_ids=request.prompt_token_ids + done,
+        prompt_token_ids=request.prompt_token_ids + pack_token_ids(done),
         sampling=sampling,
         num_output_tokens_before=len(done),
     )

@@ -26,6 +26,7 @@ from shoal.protocol import (
     StreamOpen,
 )
 from shoal.runtime import RequestServer
+from shoal.runtime.codec import ENCODER
 
 ENCODE = msgspec.msgpack.encode
 
@@ -36,11 +37,13 @@ def blast(host_port: tuple[str, int], payload: bytes) -> None:
         sock.sendall(payload)
 
 
-def crafted() -> list[EngineRequest]:
-    """Well-typed requests with values an engine step could choke on."""
+def crafted() -> list[bytes]:
+    """Well-typed requests with values an engine step could choke on, and one whose token id
+    does not fit the packed prompt (a msgpack array where the bin of u32 goes)."""
     sp = SamplingParams
     prompt = [5, 6, 7]
-    return [
+    too_wide = {"request_id": "wide", "prompt_token_ids": [2**40], "sampling": {}}
+    requests = [
         EngineRequest(request_id="lp", prompt_token_ids=prompt, sampling=sp(logprobs=10**9)),
         EngineRequest(
             request_id="plp", prompt_token_ids=prompt, sampling=sp(prompt_logprobs=10**9)
@@ -48,9 +51,10 @@ def crafted() -> list[EngineRequest]:
         EngineRequest(request_id="n", prompt_token_ids=prompt, sampling=sp(n=10**6)),
         EngineRequest(request_id="seed", prompt_token_ids=prompt, sampling=sp(seed=2**64 - 1, n=2)),
         EngineRequest(request_id="lora", prompt_token_ids=prompt, sampling=sp(), lora_id=2**64 - 1),
-        EngineRequest(request_id="vocab", prompt_token_ids=[2**40], sampling=sp()),
+        EngineRequest(request_id="vocab", prompt_token_ids=[2**31], sampling=sp()),
         EngineRequest(request_id="empty", prompt_token_ids=[], sampling=sp()),
     ]
+    return [ENCODER.encode(r) for r in requests] + [ENCODE(too_wide)]
 
 
 async def stream_raw(raw: zmq.asyncio.Socket, rid: int, payload: bytes) -> list[object]:
@@ -95,7 +99,7 @@ def test_garbage_and_crafted_frames_on_every_socket(worker: Worker) -> None:
                 reply = await asyncio.wait_for(raw.recv_multipart(), 10)
                 assert isinstance(msgspec.msgpack.decode(reply[0], type=ServerFrame), StreamError)
             for rid, bad in enumerate(crafted(), start=10):
-                got = await stream_raw(raw, rid, ENCODE(bad))
+                got = await stream_raw(raw, rid, bad)
                 ended = got[-1]
                 # a clean refusal: an error output then StreamEnd, or a StreamError
                 assert isinstance(ended, StreamEnd | StreamError), got

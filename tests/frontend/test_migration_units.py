@@ -171,7 +171,7 @@ def test_a_failing_worker_moves_the_request_on(how):
     assert outputs[-1].finish_reason == "length"
     first, moved = script.received
     done = expected(req)[0][:3]
-    assert moved.prompt_token_ids == req.prompt_token_ids + done
+    assert moved.prompt_token_ids.tolist() == [*req.prompt_token_ids, *done]
     assert moved.num_output_tokens_before == 3
     assert moved.sampling.max_tokens == 9 and moved.sampling.min_tokens == 1
     assert moved.sampling.prompt_logprobs is None  # the first output carried them

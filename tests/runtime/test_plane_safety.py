@@ -31,9 +31,10 @@ from shoal.runtime import (
     WorkerLostError,
 )
 from shoal.runtime.auth import FrameSigner
+from shoal.runtime.codec import ENCODER
 from shoal.runtime.errors import StreamTimeoutError, UnauthorizedError
 
-ENCODE = msgspec.msgpack.encode
+ENCODE = ENCODER.encode
 SERVER_FRAME = msgspec.msgpack.Decoder(ServerFrame)
 
 

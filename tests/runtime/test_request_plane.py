@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import signal
+import struct
 import time
 from collections.abc import AsyncIterator
 
@@ -283,9 +284,11 @@ def test_wire_frames_are_msgspec_and_never_pickle(monkeypatch: pytest.MonkeyPatc
         raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         raw.connect(server.address)
         encoder = msgspec.msgpack.Encoder()
-        await raw.send_multipart(
-            [encoder.encode(StreamOpen(1, ENDPOINT, 64)), encoder.encode(request("raw", 5))]
-        )
+        # the prompt as the wire carries it: one bin of little-endian u32
+        body = {"request_id": "raw", "prompt_token_ids": struct.pack("<3I", 1, 2, 3)}
+        body["sampling"] = {"max_tokens": 5}
+        opening = encoder.encode(StreamOpen(1, ENDPOINT, 64))
+        await raw.send_multipart([opening, encoder.encode(body)])
         frames_dec = msgspec.msgpack.Decoder(ServerFrame)
         output_dec = msgspec.msgpack.Decoder(EngineOutput)
         outs = []
