@@ -36,7 +36,6 @@ from shoal.protocol import (
 from shoal.router import make_router
 from shoal.router.cli import router_options
 from shoal.router.kv_router import AllWorkersBusy, KvRouter
-from shoal.router.prompt_hashes import prompt_hashes
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
 
@@ -172,7 +171,7 @@ class DisaggClient:
         decode = self.workers.policy
         cached = 0
         if isinstance(decode, KvRouter):  # the most leading blocks a decode worker caches
-            hashes = prompt_hashes(request, block_size)
+            hashes = decode.prepare(instances, request)  # timed in its hash metric
             cached = max(decode.indexer.overlaps(hashes).values(), default=0) * block_size
         if len(request.prompt_token_ids) - cached <= self.max_local_prefill_length:
             return None, "short"

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
-from shoal.frontend import disagg_client
 from shoal.frontend.disagg_client import DisaggClient
 from shoal.kv_hash import hash_blocks
 from shoal.protocol import BlockStored, EngineRequest, InstanceRecord, ModelCard, SamplingParams
@@ -42,10 +41,12 @@ def cache(router: KvRouter, worker: str, blocks: int) -> None:
     )
 
 
-def plan(decode_blocks: int, monkeypatch) -> tuple[str | None, str, int]:
-    """(the prefill worker or None, why, prompt hashes computed by either router) with the first
-    `decode_blocks` blocks cached on a decode worker and 40 on prefill worker p1."""
-    decode = KvRouter(None, metrics=RouterMetrics(CollectorRegistry()), seed=0, replica_sync=False)
+def plan(decode_blocks: int, monkeypatch) -> tuple[str | None, str, int, float]:
+    """(the prefill worker or None, why, prompt hashes computed by either router, hashes the
+    decode router's hash-time metric counted) with the first `decode_blocks` blocks cached
+    on a decode worker and 40 on prefill worker p1."""
+    registry = CollectorRegistry()
+    decode = KvRouter(None, metrics=RouterMetrics(registry), seed=0, replica_sync=False)
     if decode_blocks:
         cache(decode, "d0", decode_blocks)
     client = DisaggClient(
@@ -59,25 +60,25 @@ def plan(decode_blocks: int, monkeypatch) -> tuple[str | None, str, int]:
     client.prefill_endpoint = SimpleNamespace(instances=lambda: PREFILL)
     cache(client.prefill_policy, "p1", 40)
     hashed = []
-    hash_ = disagg_client.prompt_hashes
+    hash_ = kv_router.prompt_hashes
 
     def counting(*args):
         hashed.append(args)
         return hash_(*args)
 
-    monkeypatch.setattr(disagg_client, "prompt_hashes", counting)
-    monkeypatch.setattr(kv_router, "prompt_hashes", counting)  # where select would hash
+    monkeypatch.setattr(kv_router, "prompt_hashes", counting)  # where either router hashes
     request = EngineRequest(
         request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=8)
     )
     instance, reason = client._plan("m", request)
-    return (instance.instance_id if instance else None), reason, len(hashed)
+    timed = registry.get_sample_value("shoal_router_hash_seconds_count")
+    return (instance.instance_id if instance else None), reason, len(hashed), timed
 
 
 def test_a_prompt_cached_on_a_decode_worker_is_prefilled_there(monkeypatch):
-    assert plan(50, monkeypatch) == (None, "short", 1)  # 14 blocks left: under 20
+    assert plan(50, monkeypatch) == (None, "short", 1, 1)  # 14 blocks left: under 20
 
 
 def test_a_long_prefill_goes_where_the_prefill_pool_caches_it(monkeypatch):
-    assert plan(10, monkeypatch) == ("p1", "remote", 1)  # 54 left; p1 holds 40
-    assert plan(0, monkeypatch) == ("p1", "remote", 1)
+    assert plan(10, monkeypatch) == ("p1", "remote", 1, 1)  # 54 left; p1 holds 40
+    assert plan(0, monkeypatch) == ("p1", "remote", 1, 1)
