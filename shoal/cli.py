@@ -66,7 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _top_parser().parse_args(words)  # prints help, or the error, and exits
         return 2
     args = build_parser(words[0]).parse_args(words[1:])
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: what was under way has been cleaned up on the way
+        print(f"shoal {words[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 DOC_INTRO = """\

@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -362,3 +364,25 @@ def test_client_processes_run_multi_turn_sessions_whole(stub, tokenizer_json, tm
         turns = sorted(run["requests"], key=lambda r: (r["session"], r["turn"]))
         assert [r["messages"] for r in turns] == [1, 3] * (len(turns) // 2)
         assert all(r["error_kind"] is None for r in turns)
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_ctrl_c_stops_a_run_with_a_message_not_a_traceback(stub, tokenizer_json, processes):
+    argv = [sys.executable, "-m", "shoal", "bench", "run", "--model", "stub-model"]
+    argv += common(stub, tokenizer_json, itl_ms=50)
+    argv += ["--concurrency", "4", "--num-requests", "400", "--client-processes", processes]
+
+    # a shell may start a background job with SIGINT ignored; the run must see Ctrl-C
+    def restore() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    pipe = subprocess.PIPE
+    run = subprocess.Popen(argv, cwd=ROOT, stdout=pipe, stderr=pipe, text=True, preexec_fn=restore)
+    deadline = time.monotonic() + 30
+    while stub.in_flight < 4:  # every client is streaming
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=30)
+    assert run.returncode == 130
+    assert "shoal bench: interrupted" in stderr and "Traceback" not in stderr, stderr
