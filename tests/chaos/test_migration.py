@@ -24,6 +24,7 @@ from shoal.runtime.distributed import DistributedRuntime
 
 MODEL = "tiny"
 STREAMS = 12
+MAX_TOKENS = 120  # long enough that streams are still running when the fault comes
 LEASE_TTL = 10.0  # a killed worker's discovery record outlives it by this much at most
 
 
@@ -155,7 +156,7 @@ def body(i: int, sampling: dict) -> dict:
     return {
         "model": MODEL,
         "prompt": f"Stream {i} tells the story of river number {i * 7} and its fish",
-        "max_tokens": 40,
+        "max_tokens": MAX_TOKENS,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -197,7 +198,7 @@ def run_streams(url: str, sampling: dict, fault=None) -> list[Stream]:
 def assert_same(disturbed: list[Stream], undisturbed: list[Stream]) -> None:
     for got, want in zip(disturbed, undisturbed, strict=True):
         assert got.error is None, got.error
-        assert got.finish == "length" and len(got.tokens) == 40
+        assert got.finish == "length" and len(got.tokens) == MAX_TOKENS
         assert got.result() == want.result()
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
 
