@@ -14,10 +14,10 @@ EngineRequest packs the tokenizer's list into an array of u32, which the hash re
 place and the request plane sends as one bin); p50/p99 of the placement alone (select
 given the prompt's hashes, as `prepare` hands them over: what a request waiting for a busy
 worker costs each time it is placed again, and what the router service runs for every
-request); event
-application rates in block operations per second (one block stored on or removed from one
-worker is one operation), while building the index and while removing and re-storing a
-tenth of it, and the rate re-hashing the events' token ids alone would allow.
+request); event application rates in block operations per second (one block stored on or
+removed from one worker is one operation), while building the index and while removing
+and re-storing a tenth of it, and the rate re-hashing the events' token ids alone would
+allow.
 
 It appends one record per (workers, prompt length) to
 benchmarks/results/router_decision.jsonl with provenance and the host's load average
