@@ -274,12 +274,17 @@ class KVAgentInfo(msgspec.Struct, kw_only=True):
     ipc_handles: list[CudaIpcHandle] = msgspec.field(default_factory=list)
 
 
+def is_packed(obj: object) -> bool:
+    """Whether `obj` is token ids packed as pack_token_ids packs them."""
+    return type(obj) is array and obj.typecode == "I"
+
+
 def pack_token_ids(token_ids: Iterable[int]) -> array:
     """Token ids as a packed array of u32: what EngineRequest holds and the request plane
     carries as one msgpack bin (little-endian), so a prompt of any length costs one copy to
     send and to receive instead of an integer object per token. ValueError unless every id
     is an integer in [0, 2**32)."""
-    if type(token_ids) is array and token_ids.typecode == "I":
+    if is_packed(token_ids):
         return token_ids
     try:
         return array("I", token_ids)

@@ -12,11 +12,11 @@ from typing import Any
 
 import msgspec
 
-from shoal.protocol import token_ids_from_wire, token_ids_to_wire
+from shoal.protocol import is_packed, token_ids_from_wire, token_ids_to_wire
 
 
 def _encode(obj: Any) -> Any:
-    if type(obj) is array and obj.typecode == "I":
+    if is_packed(obj):
         return token_ids_to_wire(obj)
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
