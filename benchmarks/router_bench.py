@@ -32,7 +32,9 @@ step's ten or so requests start at the same instant.
 --api-server-count N runs N frontend processes on the one port (`shoal serve
 --api-server-count`), each with its own router; the kernel spreads the client's connections
 over them, and with replica sync (shoal serve's default) their routers share their
-decisions. Each record names its frontend count.
+decisions. Each record names its frontend count. --serve-args passes more flags to `shoal
+serve` (and is recorded), e.g. --serve-args "--router-sync-window-ms 0" to compare the
+replicas' guess at each other's unheard decisions with none.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import statistics
@@ -49,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,15 +189,16 @@ def serve(
     speedup: float,
     log: Path,
     api_server_count: int = 1,
+    extra: Sequence[str] = (),
 ):
-    """`shoal serve` with mocker workers (and `api_server_count` frontends); yields its URL
-    once every worker is up."""
+    """`shoal serve` with mocker workers (and `api_server_count` frontends, and the flags
+    `extra`); yields its URL once every worker is up."""
     port = free_port()
     argv = [sys.executable, "-m", "shoal", "serve", "--model", str(model), "--engine", "mocker"]
     argv += ["--workers", str(workers), "--router-mode", mode, "--port", str(port)]
     argv += ["--num-gpu-blocks", str(kv_blocks), "--speedup", str(speedup)]
     argv += ["--served-model-name", "mock-8b", "--shutdown-timeout", "5"]
-    argv += ["--api-server-count", str(api_server_count)]
+    argv += ["--api-server-count", str(api_server_count), *extra]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
@@ -370,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="frontend processes (each with its own router) serving the one port",
     )
+    p.add_argument(
+        "--serve-args",
+        default="",
+        metavar="FLAGS",
+        help='more `shoal serve` flags, e.g. "--router-sync-window-ms 0" (recorded)',
+    )
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "router_bench")
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     return p
@@ -409,6 +420,7 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (mocker: 8B on H100 timing)",
         "workers": args.workers,
         "api_server_count": args.api_server_count,
+        **({"serve_args": args.serve_args} if args.serve_args else {}),
     }
     runs, rows = [], []
     for name in args.workloads.split(","):
@@ -440,6 +452,7 @@ def main() -> int:
                     speedup,
                     log,
                     args.api_server_count,
+                    shlex.split(args.serve_args),
                 ) as url:
                     summary = run_bench(url, model, bench_args, out, seed=repeat)
                 mode_runs.append(

@@ -96,7 +96,7 @@ from shoal.protocol import (
     SamplingParams,
 )
 from shoal.router import make_router
-from shoal.router.kv_router import KvRouter
+from shoal.router.kv_router import SYNC_WINDOW, KvRouter
 from shoal.router.selector import KvRouterConfig
 from shoal.worker.kv_publisher import load_report
 
@@ -225,6 +225,7 @@ class _Simulation:
         seed: int = 0,
         replicas: int = 1,
         replica_sync: bool = True,
+        sync_window: float = SYNC_WINDOW,
     ) -> None:
         self.runtime = _Runtime()
         self.policies = [
@@ -235,6 +236,7 @@ class _Simulation:
                 registry=CollectorRegistry(),
                 seed=r,
                 replica_sync=False,  # no sockets: _share carries the deltas in model time
+                sync_window=sync_window,
             )
             for r in range(replicas)
         ]
@@ -242,6 +244,7 @@ class _Simulation:
         if replica_sync and len(self.kv_routers) > 1:
             for router in self.kv_routers:
                 router.share = functools.partial(self._share, router)
+                router.clock = self._now  # the sync window passes in model time
         self.routed_by: dict[str, int] = {}  # request id -> the replica that routed it
         self.next_replica = itertools.count()
         self.workload = workload
@@ -291,6 +294,9 @@ class _Simulation:
             self.workload.num_requests / self.last_finish,
             self.output_tokens / self.last_finish,
         )
+
+    def _now(self) -> float:
+        return self.clock
 
     def _share(self, sender: KvRouter, delta: LoadDelta) -> None:
         """A replica's LoadDelta reaches the other replicas sync_delay later."""
@@ -459,11 +465,13 @@ def simulate(
     seed: int = 0,
     replicas: int = 1,
     replica_sync: bool = True,
+    sync_window: float = SYNC_WINDOW,
 ) -> dict:
     """Route and run every request of `workload` in virtual time; its figures (_summary).
 
     `replicas` router instances take the arrivals in turn, sharing their decisions if
-    `replica_sync` (see the module docstring).
+    `replica_sync` (see the module docstring), each counting its decisions once more per
+    peer for `sync_window` seconds.
 
     With `jitter` > 0 (seconds) each send is delayed by a uniform draw in [0, jitter),
     seeded by `seed`: an open loop's arrivals are moved (and may change order), a closed
@@ -486,6 +494,7 @@ def simulate(
         seed,
         replicas,
         replica_sync,
+        sync_window,
     )
     return sim.run()
 
@@ -550,6 +559,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="kv: replicas share their routing decisions, --sync-delay-ms late",
     )
+    p.add_argument(
+        "--sync-window-ms",
+        type=float,
+        default=SYNC_WINDOW * 1e3,
+        metavar="MS",
+        help="kv with replica sync: model ms each decision also counts once per peer "
+        "(`shoal serve --router-sync-window-ms`; 0: off)",
+    )
     add_effect_args(p)
     group = p.add_argument_group("goodput (the highest load meeting an SLO)")
     group.add_argument(
@@ -585,6 +602,8 @@ def main() -> int:
         effects = effects_from_args(args)
         if args.arrival_jitter_ms < 0 or args.repeats < 1 or args.replicas < 1:
             raise ValueError("--arrival-jitter-ms must be >= 0, --repeats >= 1 and --replicas >= 1")
+        if not args.sync_window_ms >= 0:
+            raise ValueError("--sync-window-ms must be >= 0")
         if args.goodput and not (args.goodput_tolerance > 0 and args.slo_ttft_p99_ms > 0):
             raise ValueError("--goodput-tolerance and --slo-ttft-p99-ms must be positive")
         start, end = parse_rows(args.rows)
@@ -622,7 +641,11 @@ def main() -> int:
         "arrival_jitter_ms": args.arrival_jitter_ms,
         "repeats": args.repeats,
         **(
-            {"replicas": args.replicas, "replica_sync": args.replica_sync}
+            {
+                "replicas": args.replicas,
+                "replica_sync": args.replica_sync,
+                "sync_window_ms": args.sync_window_ms,
+            }
             if args.replicas > 1
             else {}
         ),
@@ -650,6 +673,7 @@ def main() -> int:
                 seed,
                 args.replicas,
                 args.replica_sync,
+                args.sync_window_ms / 1e3,
             )
             for seed, workload in enumerate(workloads)
         ]

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 
 from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.protocol import GENERATE_ENDPOINT
-from shoal.router.kv_router import LOWER_TIER_CREDIT
+from shoal.router.kv_router import LOWER_TIER_CREDIT, SYNC_WINDOW
 from shoal.router.policies import POLICIES
 from shoal.router.selector import KvRouterConfig
 from shoal.runtime import event_loop
@@ -113,6 +114,14 @@ ROUTER = FlagGroup(
             default=True,
         ),
         Flag(
+            "router-sync-window-ms",
+            "kv mode with replica sync: for this many ms after routing a request, also count "
+            "one request like it on the same worker for each other frontend, standing for "
+            "what they routed meanwhile and have not announced yet (0: off)",
+            float,
+            SYNC_WINDOW * 1e3,
+        ),
+        Flag(
             "busy-wait",
             "seconds a request waits, in arrival order, for a worker to stop being busy "
             "before it gets 429",
@@ -167,10 +176,14 @@ def router_options(args: argparse.Namespace) -> dict:
     options = kv_router_options(args)
     if args.busy_wait < 0:
         raise SystemExit(f"--busy-wait must be non-negative (got {args.busy_wait})")
+    window = args.router_sync_window_ms
+    if not (math.isfinite(window) and window >= 0):
+        raise SystemExit(f"--router-sync-window-ms must be finite and >= 0 (got {window})")
     return {
         "mode": args.router_mode,
         **options,
         "replica_sync": args.router_replica_sync,
+        "sync_window": window / 1e3,
         "busy_wait": args.busy_wait,
     }
 

@@ -37,6 +37,7 @@ class _Request:
     load: WorkerLoad
     blocks: int
     prefill_tokens: int
+    count: int = 1  # requests it stands for
     queued: bool = True  # no first token yet
 
 
@@ -75,18 +76,26 @@ class LoadTracker:
             raise ValueError(f"block_size must be at least 1 (got {value!r})")
         self._block_size = value
 
-    def add(self, request_id: Hashable, worker_id: str, blocks: int, prefill_tokens: int) -> None:
+    def add(
+        self,
+        request_id: Hashable,
+        worker_id: str,
+        blocks: int,
+        prefill_tokens: int,
+        count: int = 1,
+    ) -> None:
         """Count a request just routed to `worker_id`; adding an id again moves it there.
 
         Ids are any hashable key: other router replicas' requests (shoal.router.replica_sync)
-        are keyed (replica id, request id).
+        are keyed (replica id, request id). `count`: how many requests the entry stands for
+        (its blocks and tokens are their sum), as a guess at peers' decisions does.
         """
         self.finish(request_id)
         load = self._workers.setdefault(worker_id, WorkerLoad())
         load.blocks += blocks
         load.prefill_tokens += prefill_tokens
-        load.queued += 1
-        self._requests[request_id] = _Request(load, blocks, prefill_tokens)
+        load.queued += count
+        self._requests[request_id] = _Request(load, blocks, prefill_tokens, count)
 
     def __contains__(self, request_id: Hashable) -> bool:
         """Whether the request is counted (routed and not finished)."""
@@ -97,7 +106,7 @@ class LoadTracker:
         request = self._requests.get(request_id)
         if request is not None and request.queued:
             request.load.prefill_tokens -= request.prefill_tokens
-            request.load.queued -= 1
+            request.load.queued -= request.count
             request.prefill_tokens = 0
             request.queued = False
 
@@ -107,7 +116,7 @@ class LoadTracker:
         if request is not None:
             request.load.blocks -= request.blocks
             request.load.prefill_tokens -= request.prefill_tokens
-            request.load.queued -= int(request.queued)
+            request.load.queued -= request.count if request.queued else 0
             self._released()
 
     def set_capacity(self, worker_id: str, total_blocks: int) -> None:

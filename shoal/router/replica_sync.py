@@ -72,6 +72,10 @@ class PeerLoads:
             self.load.finish((peer, request_id))
         self._seq.pop(peer, None)
 
+    def num_peers(self) -> int:
+        """Peers heard from and not forgotten since."""
+        return len(self._requests)
+
     def last_seq(self, peer: str) -> int | None:
         """The sequence number of the last delta heard from `peer` (None: none yet)."""
         return self._seq.get(peer)

@@ -160,10 +160,20 @@ def select_worker(
     if not workers:
         raise ValueError("no workers to choose from")
     priced = costs(workers, prompt_blocks, overlaps, load, config)
-    if config.temperature == 0:
+    return workers[choose(priced, config.temperature, rng)[0]]
+
+
+def choose(priced: Sequence[float], temperature: float, rng: random.Random) -> tuple[int, float]:
+    """The index of the worker picked among workers priced `priced`, and the chance the rule
+    gives it (what another router holding the same picture would pick it with): temperature
+    0 takes the cheapest, ties at random; above 0, softmax_weights."""
+    if temperature == 0:
         best = min(priced)
-        return rng.choice([w for w, c in zip(workers, priced, strict=True) if c == best])
-    return rng.choices(workers, weights=softmax_weights(priced, config.temperature))[0]
+        ties = [i for i, c in enumerate(priced) if c == best]
+        return rng.choice(ties), 1 / len(ties)
+    weights = softmax_weights(priced, temperature)
+    i = rng.choices(range(len(priced)), weights=weights)[0]
+    return i, weights[i] / sum(weights)
 
 
 def softmax_weights(costs: Sequence[float], temperature: float) -> list[float]:

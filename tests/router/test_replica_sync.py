@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 
+from shoal.kv_hash import route_hashes
 from shoal.protocol import (
     GENERATE_ENDPOINT,
     EngineOutput,
@@ -103,8 +104,9 @@ def test_two_synced_replicas_hold_the_load_picture_of_one():
             DistributedRuntime(discovery) as rt_d,
         ):
             workers = await start_workers(rt_a)
-            a, client = await start_router(rt_a)
-            b, _ = await start_router(rt_b)
+            # no guesses at unheard decisions: this test is of what the replicas hear
+            a, client = await start_router(rt_a, sync_window=0)
+            b, _ = await start_router(rt_b, sync_window=0)
             one, _ = await start_router(rt_one, replica_sync=False)
             c, _ = await start_router(rt_c, replica_sync=False)  # replicas without sync
             d, _ = await start_router(rt_d, replica_sync=False)
@@ -159,6 +161,97 @@ def test_two_synced_replicas_hold_the_load_picture_of_one():
                 await router.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def guessing_router(peers: int, sync_window: float = 0.002) -> tuple[KvRouter, list, Clock]:
+    """A router (no sockets) that has heard from `peers` other replicas, sharing into a list,
+    on a clock the test moves."""
+    router = KvRouter(None, replica_sync=False, seed=0, sync_window=sync_window)
+    sent: list[LoadDelta] = []
+    router.share = sent.append
+    for p in range(peers):
+        router.peers.apply(LoadDelta(f"peer{p}", ROUTED, "probe", "w1", 0, 0))
+        router.peers.apply(LoadDelta(f"peer{p}", FINISHED, "probe"))
+    router.clock = clock = Clock()
+    return router, sent, clock
+
+
+def cached_prefix_requests(n: int, cached_on: KvRouter, worker: str) -> list[EngineRequest]:
+    """Requests of 130 blocks whose first 128 are cached on `worker` (the clear pick)."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(4, 30000) for _ in range(128 * BLOCK)]
+    cached_on.indexer.store(worker, route_hashes(prefix, BLOCK).tolist())
+    return [
+        EngineRequest(
+            request_id=f"g{i}",
+            prompt_token_ids=prefix + [rng.randrange(4, 30000) for _ in range(2 * BLOCK)],
+            sampling=SamplingParams(max_tokens=8),
+        )
+        for i in range(n)
+    ]
+
+
+def test_a_replica_counts_its_peers_unheard_decisions_for_the_sync_window():
+    router, sent, clock = guessing_router(peers=2)
+    instances = [
+        InstanceRecord(instance_id=f"w{i}", endpoint=GENERATE_ENDPOINT, address=f"a{i}", card=CARD)
+        for i in range(WORKERS)
+    ]
+    requests = cached_prefix_requests(3, router, "w0")
+    load = router.load
+
+    def on_w0() -> tuple[int, float, int]:
+        return load.queued("w0"), load.prefill_blocks("w0"), load.decode_blocks("w0")
+
+    assert router.select(instances, requests[0]).instance_id == "w0"
+    # its own request (2 blocks to prefill) and one like it by each of the 2 peers
+    assert on_w0() == (3, 6, 6)
+    assert [(d.kind, d.request_id, d.blocks) for d in sent] == [(ROUTED, "g0", 2)]  # own only
+    clock.now = 0.001
+    assert router.select(instances, requests[1]).instance_id == "w0"
+    assert on_w0() == (6, 12, 12)
+    clock.now = 0.0025  # g0's guess is over, g1's is not
+    assert router.select(instances, requests[2]).instance_id == "w0"
+    assert on_w0() == (3 + 2 + 2, 14, 14)
+    assert [d.request_id for d in sent] == ["g0", "g1", "g2"]
+    clock.now = 1.0
+    router.finished("g0")  # ends count as ever; guesses end with the window, at the next route
+    assert on_w0() == (2 + 2 + 2, 12, 12)
+
+    unguessing, _, _ = guessing_router(peers=2, sync_window=0)
+    requests = cached_prefix_requests(1, unguessing, "w0")
+    unguessing.select(instances, requests[0])
+    assert unguessing.load.queued("w0") == 1
+    alone, _, _ = guessing_router(peers=0)
+    requests = cached_prefix_requests(1, alone, "w0")
+    alone.select(instances, requests[0])
+    assert alone.load.queued("w0") == 1
+
+
+def test_a_tied_pick_is_guessed_for_each_peer_with_its_chance():
+    """Four idle workers tie: a peer with the same picture picks the same one a quarter of
+    the time, so 3 peers add 0.75 requests a decision on average, not 3."""
+    router, _, clock = guessing_router(peers=3)
+    instances = [
+        InstanceRecord(instance_id=f"w{i}", endpoint=GENERATE_ENDPOINT, address=f"a{i}", card=CARD)
+        for i in range(WORKERS)
+    ]
+    guessed = []
+    for i, request in enumerate(burst(400, seed=3, prefix="t")):
+        clock.now = i  # each decision's guess is over before the next
+        worker = router.select(instances, request).instance_id
+        guessed.append(router.load.queued(worker) - 1)
+        router.finished(request.request_id)
+    assert set(guessed) <= {0, 1, 2, 3}
+    assert 0.6 < sum(guessed) / len(guessed) < 0.9
 
 
 def test_peer_loads_fold_deltas_and_drop_a_peer_after_a_gap():

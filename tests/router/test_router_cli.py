@@ -27,6 +27,7 @@ ENV = (
     "SHOAL_BUSY_MAX_WAITING",
     "SHOAL_KV_APPROX_TTL",
     "SHOAL_ROUTER_REPLICA_SYNC",
+    "SHOAL_ROUTER_SYNC_WINDOW_MS",
 )
 
 
@@ -62,6 +63,16 @@ def test_replica_sync_flag_and_env(monkeypatch):
     monkeypatch.setenv("SHOAL_ROUTER_REPLICA_SYNC", "off")
     assert parse([])["replica_sync"] is False
     assert parse(["--router-replica-sync"])["replica_sync"] is True  # the flag wins
+
+
+def test_sync_window_flag_env_and_errors(monkeypatch):
+    assert parse([])["sync_window"] == 0.002
+    assert parse(["--router-sync-window-ms", "0"])["sync_window"] == 0.0
+    monkeypatch.setenv("SHOAL_ROUTER_SYNC_WINDOW_MS", "5")
+    assert parse([])["sync_window"] == 0.005
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(SystemExit, match="--router-sync-window-ms must be finite and >= 0"):
+            parse(["--router-sync-window-ms", bad])
 
 
 def test_frontend_publishes_replica_sync_on_its_host(monkeypatch):

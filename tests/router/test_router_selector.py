@@ -13,6 +13,7 @@ from shoal.router.load import LoadTracker
 from shoal.router.selector import (
     KvRouterConfig,
     busy,
+    choose,
     cost,
     free_workers,
     select_worker,
@@ -236,3 +237,19 @@ def test_temperature_means_the_same_at_any_cost_scale():
     # the weight of a worker f (of the highest cost) above the cheapest is exp(-f / T)
     f = (small_costs[2] - small_costs[0]) / max(small_costs)
     assert small[2] / small[0] == pytest.approx(math.exp(-f / 0.3))
+
+
+def test_choose_gives_the_chance_its_rule_gave_the_pick():
+    rng = random.Random(0)
+    assert choose([5.0, 3.0, 9.0], 0, rng) == (1, 1.0)
+    picks = Counter()
+    for _ in range(400):
+        i, chance = choose([4.0, 2.0, 2.0, 2.0], 0, rng)  # three tied for cheapest
+        assert chance == pytest.approx(1 / 3)
+        picks[i] += 1
+    assert set(picks) == {1, 2, 3} and min(picks.values()) > 100
+    costs = [1.0, 2.0, 4.0]
+    weights = softmax_weights(costs, 0.5)
+    for _ in range(50):
+        i, chance = choose(costs, 0.5, rng)
+        assert chance == pytest.approx(weights[i] / sum(weights))
