@@ -73,9 +73,11 @@ RESYNC_RETRY = 0.5  # seconds between attempts to fetch a dump from a worker
 # block does and a disk read is slower: 0.75 sits between a GPU hit (1) and a miss (0).
 LOWER_TIER_CREDIT = 0.75
 # How long a replica's decision is taken to reach its peers, and so how long it also stands
-# for one decision like it by each peer (router_sim.py: 4 replicas, simultaneous arrivals,
-# any window of 0.5-5 ms took kv's TTFT p50 to within 1-9% of one router's).
-SYNC_WINDOW = 0.002
+# for one decision like it by each peer. Live (router_bench.py, 4 frontends, a burst's
+# requests sent at once), 2 ms changed nothing while 20-500 ms took kv's TTFT p50 from 33-40%
+# above one frontend's to 5-10%: the burst's decisions and their deltas are spread over
+# more than 2 ms of frontend work (docs/routing.md).
+SYNC_WINDOW = 0.02
 
 
 class _Feed:

@@ -66,7 +66,7 @@ def test_replica_sync_flag_and_env(monkeypatch):
 
 
 def test_sync_window_flag_env_and_errors(monkeypatch):
-    assert parse([])["sync_window"] == 0.002
+    assert parse([])["sync_window"] == 0.02
     assert parse(["--router-sync-window-ms", "0"])["sync_window"] == 0.0
     monkeypatch.setenv("SHOAL_ROUTER_SYNC_WINDOW_MS", "5")
     assert parse([])["sync_window"] == 0.005
