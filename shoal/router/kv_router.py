@@ -73,10 +73,9 @@ RESYNC_RETRY = 0.5  # seconds between attempts to fetch a dump from a worker
 # block does and a disk read is slower: 0.75 sits between a GPU hit (1) and a miss (0).
 LOWER_TIER_CREDIT = 0.75
 # How long a replica's decision is taken to reach its peers, and so how long it also stands
-# for one decision like it by each peer. Live (router_bench.py, 4 frontends, a burst's
-# requests sent at once), 2 ms changed nothing while 20-500 ms took kv's TTFT p50 from 33-40%
-# above one frontend's to 5-10%: the burst's decisions and their deltas are spread over
-# more than 2 ms of frontend work (docs/routing.md).
+# for one decision like it by each peer. Live (router_bench.py, 4 frontends, each burst's
+# requests sent at once), 2 ms left kv's TTFT p50 36-37% above one frontend's (27-40% with no
+# guess), while 20-500 ms brought it to 1-6% above (docs/routing.md).
 SYNC_WINDOW = 0.02
 
 
