@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncGenerator
 
 import msgspec
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
 from shoal.flags import Flag, FlagGroup
@@ -118,10 +119,10 @@ class DisaggClient:
     def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """The request's outputs: the workers' own stream when it stays local (no extra layer
         per token), else a remote prefill followed by the decode worker's stream."""
-        instance, reason = self._plan(model, request)
+        instance, reason, hashes = self._plan(model, request)
         if instance is None:
             self.prefills.labels("local", reason).inc()
-            return self.workers.generate(model, request)
+            return self.workers.generate(model, request, hashes)
         return self._remote(model, request, instance)
 
     async def _remote(
@@ -154,18 +155,22 @@ class DisaggClient:
             if not started:
                 self._release(params)
 
-    def _plan(self, model: str, request: EngineRequest) -> tuple[InstanceRecord | None, str]:
-        """The prefill worker for this request, or None and why it stays local."""
+    def _plan(
+        self, model: str, request: EngineRequest
+    ) -> tuple[InstanceRecord | None, str, np.ndarray | None]:
+        """The prefill worker for this request, or None and why it stays local; and the
+        prompt's route hashes if the decode router made them (a local request's route
+        takes them instead of hashing again)."""
         sp = request.sampling
         if sp.n != 1 or sp.prompt_logprobs is not None or sp.max_tokens == 1:
-            return None, "ineligible"
+            return None, "ineligible", None
         instances = [
             i
             for i in self.prefill_endpoint.instances()
             if i.card is not None and i.card.model_name == model
         ]
         if not instances:
-            return None, "no_prefill_worker"
+            return None, "no_prefill_worker", None
         block_size = instances[0].card.kv_block_size
         hashes = None  # the prompt's route hashes, once for both routers when one needs them
         decode = self.workers.policy
@@ -174,12 +179,12 @@ class DisaggClient:
             hashes = decode.prepare(instances, request)  # timed in its hash metric
             cached = max(decode.indexer.overlaps(hashes).values(), default=0) * block_size
         if len(request.prompt_token_ids) - cached <= self.max_local_prefill_length:
-            return None, "short"
+            return None, "short", hashes
         try:
             prefill = _prefill_request(request)  # the same prompt and adapter: the same hashes
-            return self.prefill_policy.select(instances, prefill, hashes), "remote"
+            return self.prefill_policy.select(instances, prefill, hashes), "remote", hashes
         except AllWorkersBusy:
-            return None, "prefill_busy"
+            return None, "prefill_busy", hashes
 
     async def _prefill(self, instance: InstanceRecord, request: EngineRequest):
         """The prefill worker's one output (the first token, transfer parameters with it

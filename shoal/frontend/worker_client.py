@@ -139,8 +139,10 @@ class WorkerClient:
         return sorted({i.card.model_name for i in self.endpoint.instances() if i.card})
 
     async def generate(
-        self, model: str, request: EngineRequest
+        self, model: str, request: EngineRequest, prepared: object = None
     ) -> AsyncGenerator[EngineOutput, None]:
+        """The request's outputs, from the worker the policy picks (and on, if it fails).
+        prepared: what the policy's `prepare` gave for this request, if the caller has it."""
         rid = request.request_id
         tokens: list[list[int]] = [[] for _ in range(request.sampling.n)]
         queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUED_BATCHES)
@@ -151,7 +153,8 @@ class WorkerClient:
         yielded = False  # the caller has an output: failures end as WorkerFailed now
         cached = 0  # the first worker's prefix-cache hit, reported for the whole request
         try:
-            await self._open(model, request, list(range(len(tokens))), tried, queue, legs, True)
+            first = list(range(len(tokens)))
+            await self._open(model, request, first, tried, queue, legs, True, prepared)
             while legs:
                 leg = next(iter(legs)) if len(legs) == 1 else None
                 if leg is not None and leg.reader is None:
@@ -225,9 +228,10 @@ class WorkerClient:
         queue: asyncio.Queue,
         legs: set[_Leg],
         alone: bool,
+        prepared: object = None,
     ) -> None:
         """Route `request` as a new leg; unless it is to be the only one, a task reads it."""
-        instance = await self._route(model, request, tried)
+        instance = await self._route(model, request, tried, prepared)
         leg = _Leg(request, indices, instance)
         legs.add(leg)
         if not alone:
@@ -243,10 +247,13 @@ class WorkerClient:
             leg.stream.cancel()
         self.policy.finished(leg.request.request_id)
 
-    async def _route(self, model: str, request: EngineRequest, tried: set[str]):
+    async def _route(
+        self, model: str, request: EngineRequest, tried: set[str], prepared: object = None
+    ):
         """The policy's pick among the untried workers of `model`; while all are busy the
         request waits its turn (self.busy, or the router service's queue for a remote
-        policy) for up to busy_wait seconds."""
+        policy) for up to busy_wait seconds. prepared: the policy's `prepare` of the
+        request (made here if None)."""
 
         def candidates() -> list[InstanceRecord]:
             now = time.monotonic()
@@ -265,7 +272,8 @@ class WorkerClient:
         try:
             if self.policy.remote:  # the router service waits, for every frontend at once
                 return await self.policy.route(candidates(), request, self.busy_wait)
-            prepared = self.policy.prepare(candidates(), request)
+            if prepared is None:
+                prepared = self.policy.prepare(candidates(), request)
             return await self.busy.route(
                 lambda: self.policy.select(candidates(), request, prepared), self.busy_wait
             )

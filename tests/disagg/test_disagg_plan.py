@@ -15,6 +15,8 @@ from shoal.protocol import BlockStored, EngineRequest, InstanceRecord, ModelCard
 from shoal.router import kv_router
 from shoal.router.kv_router import KvRouter
 from shoal.router.metrics import RouterMetrics
+from tests.frontend.test_busy_fifo import CARD as GATED_CARD
+from tests.frontend.test_busy_fifo import Gates, run, with_client
 
 BLOCK = 16
 CARD = ModelCard(
@@ -70,7 +72,7 @@ def plan(decode_blocks: int, monkeypatch) -> tuple[str | None, str, int, float]:
     request = EngineRequest(
         request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=8)
     )
-    instance, reason = client._plan("m", request)
+    instance, reason, _ = client._plan("m", request)
     timed = registry.get_sample_value("shoal_router_hash_seconds_count")
     return (instance.instance_id if instance else None), reason, len(hashed), timed
 
@@ -82,3 +84,45 @@ def test_a_prompt_cached_on_a_decode_worker_is_prefilled_there(monkeypatch):
 def test_a_long_prefill_goes_where_the_prefill_pool_caches_it(monkeypatch):
     assert plan(10, monkeypatch) == ("p1", "remote", 1, 1)  # 54 left; p1 holds 40
     assert plan(0, monkeypatch) == ("p1", "remote", 1, 1)
+
+
+def test_a_local_request_is_routed_with_the_plans_hashes(monkeypatch):
+    """Through a real WorkerClient: the prompt the plan keeps local is hashed once, by the
+    plan, and its route takes those hashes (the hash metric counts one)."""
+    gates = Gates()
+    gates.gate("r").set()
+    hashed = []
+    hash_ = kv_router.prompt_hashes
+
+    def counting(*args):
+        hashed.append(args)
+        return hash_(*args)
+
+    async def body(workers):
+        decode = workers.policy
+        cache(decode, "w1", 50)  # 14 blocks left to prefill: under 20, so local
+        client = DisaggClient(
+            workers,
+            None,
+            "kv",
+            max_local_prefill_length=20 * BLOCK,
+            registry=CollectorRegistry(),
+            seed=0,
+        )
+        client.prefill_endpoint = SimpleNamespace(
+            instances=lambda: [
+                InstanceRecord(instance_id="p0", endpoint="e", address="p0", card=GATED_CARD)
+            ]
+        )
+        monkeypatch.setattr(kv_router, "prompt_hashes", counting)
+        request = EngineRequest(
+            request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=2)
+        )
+        outputs = [out async for out in client.generate(GATED_CARD.model_name, request)]
+        assert [o.new_token_ids for o in outputs] == [[7]]
+        assert gates.routed == ["r"] and len(hashed) == 1
+        (metric,) = decode.metrics.hash_seconds.collect()
+        assert [x.value for x in metric.samples if x.name.endswith("_count")] == [1]
+        assert sum(decode.load.queued(w) for w in ("w0", "w1")) == 0
+
+    run(with_client(gates, body, workers=2))
