@@ -307,7 +307,9 @@ class KvRouter(Policy):
         self._guesses.append((self.clock() + self.sync_window, key))
 
     def _expire_guesses(self) -> None:
-        """Drop the guesses older than sync_window (O(1) per guess)."""
+        """Drop the guesses older than sync_window (O(1) per guess): before each decision,
+        first token, end and load report, so none outlives the window by more than the
+        gap to the next of those."""
         guesses = self._guesses
         if guesses:
             now = self.clock()
@@ -339,11 +341,13 @@ class KvRouter(Policy):
         if self.share is not None and request_id in self.load:
             self.share(LoadDelta(self.replica_id, LoadDelta.FIRST_TOKEN, request_id))
         self.load.first_token(request_id)
+        self._expire_guesses()
 
     def finished(self, request_id: str) -> None:
         if self.share is not None and request_id in self.load:
             self.share(LoadDelta(self.replica_id, LoadDelta.FINISHED, request_id))
         self.load.finish(request_id)
+        self._expire_guesses()
 
     # ---- event streams
 
@@ -351,6 +355,7 @@ class KvRouter(Policy):
         async for event in self._load_sub:
             report = event.message
             if report.worker_id in self._feeds:
+                self._expire_guesses()  # a report is read against the prediction
                 self.load.report(report)
 
     async def _read_kv(self, feed: _Feed) -> None:

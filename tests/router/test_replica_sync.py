@@ -223,8 +223,8 @@ def test_a_replica_counts_its_peers_unheard_decisions_for_the_sync_window():
     assert on_w0() == (3 + 2 + 2, 14, 14)
     assert [d.request_id for d in sent] == ["g0", "g1", "g2"]
     clock.now = 1.0
-    router.finished("g0")  # ends count as ever; guesses end with the window, at the next route
-    assert on_w0() == (2 + 2 + 2, 12, 12)
+    router.finished("g0")  # g0 ends; the guesses' window is over too
+    assert on_w0() == (2, 4, 4)
 
     unguessing, _, _ = guessing_router(peers=2, sync_window=0)
     requests = cached_prefix_requests(1, unguessing, "w0")
