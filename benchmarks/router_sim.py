@@ -481,6 +481,8 @@ def simulate(
         MockEngine(EngineConfig(model=str(model), num_gpu_blocks=kv_blocks, seed=i), speedup=1e12)
         for i in range(workers)
     ]
+    for engine in engines:
+        engine.enable_kv_events()  # what the router's index is fed, as a worker's engine is
     if workload.arrivals is not None and jitter > 0:
         arrivals, sessions = jittered(workload.arrivals, workload.sessions, jitter, seed)
         workload = Workload(workload.name, sessions, arrivals)

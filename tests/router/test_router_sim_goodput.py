@@ -1,7 +1,9 @@
-"""router_sim --goodput: the search for the highest load meeting the SLO, and one real search."""
+"""router_sim: the goodput search for the highest load meeting the SLO, one real search, and
+the KV events that feed the simulated router's index."""
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -58,3 +60,21 @@ def test_a_real_search_finds_where_the_slo_breaks(tmp_path):
     assert row["goodput_requests_per_s"] == pytest.approx(20 * best)
     missed = [speed for speed, p99 in row["tried"] if p99 > 200]
     assert missed and best < min(missed) <= best * 1.2
+
+
+def test_the_simulated_kv_router_follows_the_engines_cache(tmp_path):
+    """12 shared prefixes drawn at random over 4 workers: kv's router hears the engines' KV
+    events, so its index holds their blocks and it sends each request where its prefix is
+    cached; round-robin (as an index left empty would) prefills each prefix on every worker."""
+    model = router_sim.tiny_model_dir(tmp_path)
+    prefixes = [router_sim._tokens(f"p{g}", 512, 300) for g in range(12)]
+    rng = random.Random(0)
+    requests = [
+        [(prefixes[rng.randrange(12)] + router_sim._tokens(f"r{i}", 32, 300), 4)] for i in range(64)
+    ]
+    workload = router_sim.Workload("groups", requests, [i / 20 for i in range(len(requests))])
+    config = router_sim.KvRouterConfig()
+    kv = router_sim.simulate("kv", workload, model, 4, 512, config)
+    rr = router_sim.simulate("round-robin", workload, model, 4, 512, config)
+    assert kv["kv_hit_rate"] > 0.7 and rr["kv_hit_rate"] < 0.45
+    assert kv["ttft_p50_ms"] < rr["ttft_p50_ms"] / 2
