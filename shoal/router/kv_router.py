@@ -22,7 +22,8 @@ while to reach the others, and requests that reach several frontends at once are
 before any of them hears of the rest: each replica would send its share of a burst to the
 same cheapest worker. So for `sync_window` seconds after it routes a request, a replica also
 counts, on the same worker, one request like it for each peer it follows: its guess at what
-the peers decided meanwhile, replaced by what they did decide once their deltas arrive.
+the peers decided meanwhile, which lapses when the window ends (by then the peers' own
+deltas have come, in the usual case).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import Policy
 from shoal.router.prompt_hashes import block_size_of, prompt_hashes
 from shoal.router.replica_sync import PeerLoads, ReplicaSync
-from shoal.router.selector import KvRouterConfig, choose, costs, free_workers
+from shoal.router.selector import KvRouterConfig, free_workers, select_worker
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
 from shoal.runtime.event_plane import EventSubscriber
@@ -262,9 +263,9 @@ class KvRouter(Policy):
         overlaps = self.indexer.overlaps(hashes)
         deeper = self._lower_tier_overlaps(hashes, overlaps)
         prompt_blocks = math.ceil(prompt_tokens / block_size)
-        priced = costs(free, prompt_blocks, self._priced(overlaps, deeper), self.load, self.config)
-        pick, chance = choose(priced, self.config.temperature, self._rng)
-        worker = free[pick]
+        worker, chance = select_worker(
+            free, prompt_blocks, self._priced(overlaps, deeper), self.load, self.config, self._rng
+        )
         cached = overlaps.get(worker, 0)
         new_tokens = prompt_tokens - deeper.get(worker, cached) * block_size
         blocks = prompt_blocks - cached
@@ -292,9 +293,9 @@ class KvRouter(Policy):
     def _guess_peers(
         self, request_id: str, worker: str, blocks: int, new_tokens: int, chance: float
     ) -> None:
-        """Count, for sync_window, a request like this one on `worker` for each peer that
-        routed one meanwhile and picked the same worker: each peer followed is drawn to have
-        with `chance` (the chance this router's rule gave the worker)."""
+        """Count, for sync_window, a request like this one on `worker` for each peer guessed
+        to have routed one meanwhile to the same worker: every peer followed, each drawn with
+        `chance` (the chance the selector gave the worker) when that is below 1."""
         peers = self.peers.num_peers()
         if not peers or not self.sync_window:
             return

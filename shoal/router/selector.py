@@ -152,28 +152,22 @@ def select_worker(
     load: LoadTracker,
     config: KvRouterConfig,
     rng: random.Random,
-) -> str:
-    """The worker to send the request to; `overlaps` gives each worker's cached leading blocks.
-
-    O(len(workers)).
+) -> tuple[str, float]:
+    """The worker to send the request to (`overlaps` gives each worker's cached leading
+    blocks), and the chance the rule gave it: what another router holding the same picture
+    would pick it with. Temperature 0 takes the cheapest, ties at random; above 0,
+    softmax_weights. O(len(workers)).
     """
     if not workers:
         raise ValueError("no workers to choose from")
     priced = costs(workers, prompt_blocks, overlaps, load, config)
-    return workers[choose(priced, config.temperature, rng)[0]]
-
-
-def choose(priced: Sequence[float], temperature: float, rng: random.Random) -> tuple[int, float]:
-    """The index of the worker picked among workers priced `priced`, and the chance the rule
-    gives it (what another router holding the same picture would pick it with): temperature
-    0 takes the cheapest, ties at random; above 0, softmax_weights."""
-    if temperature == 0:
+    if config.temperature == 0:
         best = min(priced)
-        ties = [i for i, c in enumerate(priced) if c == best]
+        ties = [w for w, c in zip(workers, priced, strict=True) if c == best]
         return rng.choice(ties), 1 / len(ties)
-    weights = softmax_weights(priced, temperature)
-    i = rng.choices(range(len(priced)), weights=weights)[0]
-    return i, weights[i] / sum(weights)
+    weights = softmax_weights(priced, config.temperature)
+    i = rng.choices(range(len(workers)), weights=weights)[0]
+    return workers[i], weights[i] / sum(weights)
 
 
 def softmax_weights(costs: Sequence[float], temperature: float) -> list[float]:

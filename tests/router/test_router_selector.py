@@ -13,8 +13,8 @@ from shoal.router.load import LoadTracker
 from shoal.router.selector import (
     KvRouterConfig,
     busy,
-    choose,
     cost,
+    costs,
     free_workers,
     select_worker,
     softmax_weights,
@@ -48,7 +48,7 @@ def pick(load, overlaps, prompt_blocks=10, seed=0, **config) -> str:
     queue weight 0 unless a test says otherwise."""
     base = {"prefill_load_scale": 1.0, "overlap_credit": 1.0, "queue_weight": 0.0}
     config = KvRouterConfig(**{**base, **config})
-    return select_worker(["a", "b"], prompt_blocks, overlaps, load, config, random.Random(seed))
+    return select_worker(["a", "b"], prompt_blocks, overlaps, load, config, random.Random(seed))[0]
 
 
 def test_cost_formula():
@@ -138,7 +138,7 @@ def test_temperature_samples_the_softmax_of_normalized_costs():
     expected = [w / sum(weights) for w in weights]
     n = 20_000
     rng = random.Random(1234)
-    counts = Counter(select_worker(workers, 2, {}, load, config, rng) for _ in range(n))
+    counts = Counter(select_worker(workers, 2, {}, load, config, rng)[0] for _ in range(n))
     chi2 = sum((counts[w] - n * p) ** 2 / (n * p) for w, p in zip(workers, expected, strict=True))
     assert chi2 < 13.8  # 2 degrees of freedom, p = 0.001
 
@@ -147,7 +147,7 @@ def test_temperature_with_all_costs_zero_is_uniform():
     workers = ["a", "b", "c"]
     config = KvRouterConfig(temperature=1.0)
     rng = random.Random(7)
-    counts = Counter(select_worker(workers, 0, {}, loaded(), config, rng) for _ in range(3000))
+    counts = Counter(select_worker(workers, 0, {}, loaded(), config, rng)[0] for _ in range(3000))
     assert set(counts) == set(workers)
     assert all(800 < counts[w] < 1200 for w in workers)
 
@@ -156,7 +156,7 @@ def test_tiny_temperature_picks_the_cheapest_without_overflow():
     config = KvRouterConfig(temperature=1e-9)
     load = loaded(decode={"b": 1})
     for seed in range(10):
-        assert select_worker(["a", "b"], 4, {}, load, config, random.Random(seed)) == "a"
+        assert select_worker(["a", "b"], 4, {}, load, config, random.Random(seed))[0] == "a"
 
 
 def test_no_workers_is_an_error():
@@ -239,17 +239,20 @@ def test_temperature_means_the_same_at_any_cost_scale():
     assert small[2] / small[0] == pytest.approx(math.exp(-f / 0.3))
 
 
-def test_choose_gives_the_chance_its_rule_gave_the_pick():
+def test_the_pick_comes_with_the_chance_its_rule_gave_it():
     rng = random.Random(0)
-    assert choose([5.0, 3.0, 9.0], 0, rng) == (1, 1.0)
+    workers = ["a", "b", "c", "d"]
+    one = loaded(prefill={"a": 5})  # b, c and d tie for the cheapest
+    assert select_worker(["a", "b"], 4, {}, one, KvRouterConfig(), rng) == ("b", 1.0)
     picks = Counter()
     for _ in range(400):
-        i, chance = choose([4.0, 2.0, 2.0, 2.0], 0, rng)  # three tied for cheapest
+        worker, chance = select_worker(workers, 4, {}, one, KvRouterConfig(), rng)
         assert chance == pytest.approx(1 / 3)
-        picks[i] += 1
-    assert set(picks) == {1, 2, 3} and min(picks.values()) > 100
-    costs = [1.0, 2.0, 4.0]
-    weights = softmax_weights(costs, 0.5)
+        picks[worker] += 1
+    assert set(picks) == {"b", "c", "d"} and min(picks.values()) > 100
+    config = KvRouterConfig(temperature=0.5)
+    priced = costs(workers, 4, {}, one, config)
+    weights = dict(zip(workers, softmax_weights(priced, 0.5), strict=True))
     for _ in range(50):
-        i, chance = choose(costs, 0.5, rng)
-        assert chance == pytest.approx(weights[i] / sum(weights))
+        worker, chance = select_worker(workers, 4, {}, one, config, rng)
+        assert chance == pytest.approx(weights[worker] / sum(weights.values()))
