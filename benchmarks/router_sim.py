@@ -604,8 +604,8 @@ def main() -> int:
         effects = effects_from_args(args)
         if args.arrival_jitter_ms < 0 or args.repeats < 1 or args.replicas < 1:
             raise ValueError("--arrival-jitter-ms must be >= 0, --repeats >= 1 and --replicas >= 1")
-        if not args.sync_window_ms >= 0:
-            raise ValueError("--sync-window-ms must be >= 0")
+        if not (math.isfinite(args.sync_window_ms) and args.sync_window_ms >= 0):
+            raise ValueError("--sync-window-ms must be finite and >= 0")
         if args.goodput and not (args.goodput_tolerance > 0 and args.slo_ttft_p99_ms > 0):
             raise ValueError("--goodput-tolerance and --slo-ttft-p99-ms must be positive")
         start, end = parse_rows(args.rows)
