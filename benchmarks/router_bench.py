@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -52,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from goodput import highest_sustained
 from provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,6 +133,7 @@ WORKLOADS = {
     ),
 }
 MODES = ("round-robin", "least-loaded", "kv")
+GOODPUT_CAP = 64  # the goodput search's highest load, in multiples of --load-scale
 
 
 def free_port() -> int:
@@ -381,6 +384,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FLAGS",
         help='more `shoal serve` flags, e.g. "--router-sync-window-ms 0" (recorded)',
     )
+    group = p.add_argument_group("goodput (the highest load meeting an SLO, live)")
+    group.add_argument(
+        "--goodput",
+        action="store_true",
+        help="per mode, search the highest --load-scale whose TTFT p99 meets the SLO",
+    )
+    group.add_argument(
+        "--slo-ttft-p99-ms",
+        type=float,
+        default=2000.0,
+        help="the SLO, in model time (a slow-motion run's wall p99 scaled back)",
+    )
+    group.add_argument(
+        "--goodput-tolerance",
+        type=float,
+        default=0.15,
+        help="stop when the sustained load and the next missed are within this factor",
+    )
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "router_bench")
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     return p
@@ -394,6 +415,114 @@ def median_row(runs: list[dict]) -> dict:
         row[key] = statistics.median(values) if values else None
     p50s = [r["ttft_p50_ms"] for r in runs]
     return {**row, "repeats": len(runs), "ttft_p50_ms_min": min(p50s), "ttft_p50_ms_max": max(p50s)}
+
+
+def live_runs(
+    args: argparse.Namespace,
+    model: Path,
+    stamp: dict,
+    name: str,
+    trace_args: list[str],
+    trace_fields: dict,
+    mode: str,
+    load_scale: float,
+) -> list[dict]:
+    """--repeats live runs of workload `name` routed by `mode` at `load_scale`, as records."""
+    workload = WORKLOADS[name]
+    speedup = args.speedup * workload.mocker_speedup
+    bench_args = workload.args(load_scale, args.speedup) + trace_args
+    done = []
+    for repeat in range(args.repeats):
+        out = args.out / f"{name}-x{load_scale:g}" / mode / f"run{repeat}"
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"-- {name} / {mode} / x{load_scale:g} / run {repeat + 1}", flush=True)
+        with serve(
+            model,
+            mode,
+            args.workers,
+            workload.kv_blocks,
+            speedup,
+            out / "serve.log",
+            args.api_server_count,
+            shlex.split(args.serve_args),
+        ) as url:
+            summary = run_bench(url, model, bench_args, out, seed=repeat)
+        done.append(
+            {
+                **stamp,
+                "workload": name,
+                "about": workload.about,
+                **trace_fields,
+                "load_scale": load_scale,
+                "mocker_speedup": speedup,
+                "bench_args": " ".join(bench_args),
+                "mode": mode,
+                "repeat": repeat,
+                "seed": repeat,
+                "kv_blocks_per_worker": workload.kv_blocks,
+                **figures(summary),
+            }
+        )
+    return done
+
+
+def goodput_search(
+    mode: str,
+    run_at: Callable[[str, float], list[dict]],
+    mocker_speedup: float,
+    args: argparse.Namespace,
+) -> dict:
+    """The highest load scale at which `mode` meets the SLO live: TTFT p99 in model time
+    (wall p99 x `mocker_speedup`, the median over --repeats runs) within
+    --slo-ttft-p99-ms and no request failed. router_sim.py's search (highest_sustained)
+    from --load-scale, to within --goodput-tolerance, up to GOODPUT_CAP times --load-scale;
+    the probes' records come back too."""
+    probes: list[dict] = []
+    tried: list[list[float]] = []
+
+    def sustains(load: float) -> bool:
+        done = run_at(mode, load)
+        probes.extend({**r, "goodput_probe": True} for r in done)
+        p99 = statistics.median(r["ttft_p99_ms"] for r in done) * mocker_speedup
+        failed = sum(r["errors"] for r in done)
+        tried.append([round(load, 4), round(p99, 1), failed])
+        return p99 <= args.slo_ttft_p99_ms and not failed
+
+    cap = args.load_scale * GOODPUT_CAP  # a window so short that no load breaks the SLO
+    best = highest_sustained(sustains, args.load_scale, args.goodput_tolerance, cap)
+    at_best = [r for r in probes if r["load_scale"] == best]
+    return {
+        "mode": mode,
+        "goodput": True,
+        "slo_ttft_p99_ms": args.slo_ttft_p99_ms,
+        "goodput_tolerance": args.goodput_tolerance,
+        "goodput_load_scale": best,
+        "goodput_requests_per_s": (
+            statistics.median(r["requests_per_s"] for r in at_best) if at_best else 0.0
+        ),
+        "kv_hit_rate": statistics.median(r["kv_hit_rate"] or 0 for r in at_best)
+        if at_best
+        else None,
+        "tried": tried,  # [load scale, TTFT p99 in model ms, failed requests]
+        "runs": probes,
+    }
+
+
+def print_goodput(searches: list[dict]) -> None:
+    """One line per workload and mode: the load sustained, its request rate, against
+    round-robin's."""
+    print(f"{'workload':14} {'mode':13} {'load':>7} {'req/s':>7} {'KV hit':>7} {'vs rr':>7}")
+    base = {s["workload"]: s for s in searches if s["mode"] == "round-robin"}
+    for s in searches:
+        rr = base.get(s["workload"])
+        gain = "-"
+        if rr and rr["goodput_requests_per_s"]:
+            gain = f"{s['goodput_requests_per_s'] / rr['goodput_requests_per_s']:.2f}x"
+        hit = f"{s['kv_hit_rate']:.1%}" if s["kv_hit_rate"] is not None else "-"
+        print(
+            f"{s['workload']:14} {s['mode']:13} {s['goodput_load_scale']:7.3g}"
+            f" {s['goodput_requests_per_s']:7.2f} {hit:>7} {gain:>7}"
+        )
 
 
 def main() -> int:
@@ -410,6 +539,8 @@ def main() -> int:
             raise ValueError("--api-server-count must be at least 1")
         if not args.arrival_jitter_ms >= 0:
             raise ValueError("--arrival-jitter-ms must be >= 0")
+        if not (args.slo_ttft_p99_ms > 0 and args.goodput_tolerance > 0):
+            raise ValueError("--slo-ttft-p99-ms and --goodput-tolerance must be positive")
     except ValueError as e:
         p.error(str(e))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -422,57 +553,39 @@ def main() -> int:
         "api_server_count": args.api_server_count,
         **({"serve_args": args.serve_args} if args.serve_args else {}),
     }
-    runs, rows = [], []
+    runs, rows, searches = [], [], []
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
-        bench_args = workload.args(args.load_scale, args.speedup)
-        trace_fields = {}
+        trace_args, trace_fields = [], {}
         if workload.trace:
             sliced = args.out / f"trace-rows-{rows_range[0]}-{rows_range[1]}.jsonl"
             count = write_rows(args.trace, rows_range, sliced)
-            bench_args += ["--trace", str(sliced), "--num-requests", str(count)]
+            trace_args = ["--trace", str(sliced), "--num-requests", str(count)]
             trace_fields = {"trace": args.trace.name, "rows": args.rows, "num_requests": count}
             if args.arrival_jitter_ms:
                 wall_ms = args.arrival_jitter_ms / (args.speedup * workload.mocker_speedup)
-                bench_args += ["--arrival-jitter-ms", f"{wall_ms:g}"]
+                trace_args += ["--arrival-jitter-ms", f"{wall_ms:g}"]
                 trace_fields["arrival_jitter_ms"] = args.arrival_jitter_ms
+        speedup = args.speedup * workload.mocker_speedup
+
+        run_at = functools.partial(live_runs, args, model, stamp, name, trace_args, trace_fields)
         for mode in args.modes.split(","):
-            mode_runs = []
-            for repeat in range(args.repeats):
-                out = args.out / f"{name}-x{args.load_scale:g}" / mode / f"run{repeat}"
-                out.mkdir(parents=True, exist_ok=True)
-                print(f"-- {name} / {mode} / run {repeat + 1} of {args.repeats}", flush=True)
-                speedup = args.speedup * workload.mocker_speedup
-                log = out / "serve.log"
-                with serve(
-                    model,
-                    mode,
-                    args.workers,
-                    workload.kv_blocks,
-                    speedup,
-                    log,
-                    args.api_server_count,
-                    shlex.split(args.serve_args),
-                ) as url:
-                    summary = run_bench(url, model, bench_args, out, seed=repeat)
-                mode_runs.append(
-                    {
-                        **stamp,
-                        "workload": name,
-                        "about": workload.about,
-                        **trace_fields,
-                        "load_scale": args.load_scale,
-                        "mocker_speedup": speedup,
-                        "bench_args": " ".join(bench_args),
-                        "mode": mode,
-                        "repeat": repeat,
-                        "seed": repeat,
-                        "kv_blocks_per_worker": workload.kv_blocks,
-                        **figures(summary),
-                    }
-                )
-            runs += mode_runs
-            rows.append(median_row(mode_runs))
+            if args.goodput:
+                search = goodput_search(mode, run_at, speedup, args)
+                runs += search.pop("runs")
+                searches.append({**stamp, "workload": name, **trace_fields, **search})
+            else:
+                mode_runs = run_at(mode, args.load_scale)
+                runs += mode_runs
+                rows.append(median_row(mode_runs))
+    if args.goodput:
+        print_goodput(searches)
+        if not args.no_record:
+            with (RESULTS / "router.jsonl").open("a") as f:
+                for record in runs + searches:
+                    f.write(json.dumps(record) + "\n")
+            print(f"recorded in {RESULTS / 'router.jsonl'}")
+        return 0
     print_table(rows)
     if not args.no_record:
         with (RESULTS / "router.jsonl").open("a") as f:

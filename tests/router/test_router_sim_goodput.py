@@ -1,5 +1,5 @@
 """router_sim: the goodput search for the highest load meeting the SLO, one real search, and
-the KV events that feed the simulated router's index."""
+the KV events that feed the simulated router's index; router_bench's live search."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import router_bench
 import router_sim
 
 
@@ -78,3 +79,31 @@ def test_the_simulated_kv_router_follows_the_engines_cache(tmp_path):
     rr = router_sim.simulate("round-robin", workload, model, 4, 512, config)
     assert kv["kv_hit_rate"] > 0.7 and rr["kv_hit_rate"] < 0.45
     assert kv["ttft_p50_ms"] < rr["ttft_p50_ms"] / 2
+
+
+def test_the_live_search_reads_p99_in_model_time_and_fails_a_load_with_errors():
+    """router_bench --goodput on a stand-in for live runs in quarter-speed slow motion:
+    wall p99 is 4x the model's, which grows as 1 s x load^2 (the SLO holds to load 1.41),
+    and from load 1.3 on some requests fail; the search stops below 1.3."""
+    args = router_bench.build_parser().parse_args(
+        ["--goodput", "--slo-ttft-p99-ms", "2000", "--goodput-tolerance", "0.1"]
+    )
+
+    def run_at(mode: str, load: float) -> list[dict]:
+        return [
+            {
+                "load_scale": load,
+                "ttft_p99_ms": 4 * 1000 * load**2,
+                "errors": int(load >= 1.3),
+                "requests_per_s": 10 * load,
+                "kv_hit_rate": 0.2,
+            }
+        ]
+
+    search = router_bench.goodput_search("kv", run_at, 0.25, args)
+    best = search["goodput_load_scale"]
+    assert 1.3 / 1.1 <= best < 1.3
+    assert search["goodput_requests_per_s"] == pytest.approx(10 * best)
+    assert [load for load, _, _ in search["tried"]][:2] == [1.0, 2.0]
+    assert all(p99 == pytest.approx(1000 * load**2, abs=1) for load, p99, _ in search["tried"])
+    assert all(r["goodput_probe"] for r in search["runs"])
