@@ -486,7 +486,9 @@ def goodput_search(
         p99 = statistics.median(r["ttft_p99_ms"] for r in done) * mocker_speedup
         failed = sum(r["errors"] for r in done)
         tried.append([round(load, 4), round(p99, 1), failed])
-        return p99 <= args.slo_ttft_p99_ms and not failed
+        met = p99 <= args.slo_ttft_p99_ms and not failed
+        print(f"   {mode} x{load:.4g}: TTFT p99 {p99:.1f} model ms, {failed} failed", flush=True)
+        return met
 
     cap = args.load_scale * GOODPUT_CAP  # a window so short that no load breaks the SLO
     best = highest_sustained(sustains, args.load_scale, args.goodput_tolerance, cap)
