@@ -23,6 +23,13 @@ this CPU can compute. Only config.json and the tokenizer of --model are read; wi
     .venv/bin/python benchmarks/router_bench.py --workloads mooncake --rows 1500:3000 --repeats 3
     .venv/bin/python benchmarks/router_bench.py --workloads mooncake --modes kv \
         --api-server-count 4
+    .venv/bin/python benchmarks/router_bench.py --workloads mooncake --modes round-robin,kv \
+        --rows 1500:3000 --goodput --goodput-tolerance 0.2
+
+--goodput asks, per mode, for the highest --load-scale at which TTFT p99 (in model time)
+meets --slo-ttft-p99-ms with no failed request, searched as router_sim.py --goodput does
+(benchmarks/goodput.py): a steady-state figure where a fixed overload's TTFT would grow
+with the replay's length. It records every probe and each mode's result, and draws no plot.
 
 --arrival-jitter-ms MS (mooncake) delays each request by a uniform draw in [0, MS) ms of
 model time (shoal bench's --arrival-jitter-ms, scaled to the wall clock), as router_sim.py's
