@@ -123,16 +123,21 @@ class DisaggClient:
         if instance is None:
             self.prefills.labels("local", reason).inc()
             return self.workers.generate(model, request, hashes)
-        return self._remote(model, request, instance)
+        return self._remote(model, request, instance, hashes)
 
     async def _remote(
-        self, model: str, request: EngineRequest, instance: InstanceRecord
+        self,
+        model: str,
+        request: EngineRequest,
+        instance: InstanceRecord,
+        hashes: np.ndarray | None,
     ) -> AsyncGenerator[EngineOutput, None]:
+        """`hashes`: the plan's route hashes of the prompt, for the local fallback's route."""
         first = await self._prefill(instance, request)
         where, reason = ("remote", "remote") if first is not None else ("local", "prefill_failed")
         self.prefills.labels(where, reason).inc()
         if first is None:
-            async for out in self.workers.generate(model, request):
+            async for out in self.workers.generate(model, request, hashes):
                 yield out
             return
         params = first.kv_transfer

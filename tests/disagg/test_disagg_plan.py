@@ -43,6 +43,19 @@ def cache(router: KvRouter, worker: str, blocks: int) -> None:
     )
 
 
+def count_hashes(monkeypatch) -> list:
+    """The calls either router makes to hash a prompt from now on, as a growing list."""
+    hashed = []
+    hash_ = kv_router.prompt_hashes
+
+    def counting(*args):
+        hashed.append(args)
+        return hash_(*args)
+
+    monkeypatch.setattr(kv_router, "prompt_hashes", counting)
+    return hashed
+
+
 def plan(decode_blocks: int, monkeypatch) -> tuple[str | None, str, int, float]:
     """(the prefill worker or None, why, prompt hashes computed by either router, hashes the
     decode router's hash-time metric counted) with the first `decode_blocks` blocks cached
@@ -61,14 +74,7 @@ def plan(decode_blocks: int, monkeypatch) -> tuple[str | None, str, int, float]:
     )
     client.prefill_endpoint = SimpleNamespace(instances=lambda: PREFILL)
     cache(client.prefill_policy, "p1", 40)
-    hashed = []
-    hash_ = kv_router.prompt_hashes
-
-    def counting(*args):
-        hashed.append(args)
-        return hash_(*args)
-
-    monkeypatch.setattr(kv_router, "prompt_hashes", counting)  # where either router hashes
+    hashed = count_hashes(monkeypatch)
     request = EngineRequest(
         request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=8)
     )
@@ -86,35 +92,30 @@ def test_a_long_prefill_goes_where_the_prefill_pool_caches_it(monkeypatch):
     assert plan(0, monkeypatch) == ("p1", "remote", 1, 1)
 
 
-def test_a_local_request_is_routed_with_the_plans_hashes(monkeypatch):
-    """Through a real WorkerClient: the prompt the plan keeps local is hashed once, by the
-    plan, and its route takes those hashes (the hash metric counts one)."""
+def routed_once(monkeypatch, decode_blocks: int, prefill_generate=None) -> list:
+    """A request through DisaggClient over a real WorkerClient and in-process decode workers
+    (w1 caching `decode_blocks` of PROMPT; a prefill worker p0 whose stream is
+    `prefill_generate`): asserts it is served by the decode pool with its prompt hashed once,
+    by the plan (the hash metric counts one); returns the prefill-placement counter's
+    samples."""
     gates = Gates()
     gates.gate("r").set()
-    hashed = []
-    hash_ = kv_router.prompt_hashes
-
-    def counting(*args):
-        hashed.append(args)
-        return hash_(*args)
+    samples = []
 
     async def body(workers):
         decode = workers.policy
-        cache(decode, "w1", 50)  # 14 blocks left to prefill: under 20, so local
+        cache(decode, "w1", decode_blocks)
+        registry = CollectorRegistry()
         client = DisaggClient(
-            workers,
-            None,
-            "kv",
-            max_local_prefill_length=20 * BLOCK,
-            registry=CollectorRegistry(),
-            seed=0,
+            workers, None, "kv", max_local_prefill_length=20 * BLOCK, registry=registry, seed=0
         )
         client.prefill_endpoint = SimpleNamespace(
             instances=lambda: [
                 InstanceRecord(instance_id="p0", endpoint="e", address="p0", card=GATED_CARD)
-            ]
+            ],
+            generate=prefill_generate,
         )
-        monkeypatch.setattr(kv_router, "prompt_hashes", counting)
+        hashed = count_hashes(monkeypatch)
         request = EngineRequest(
             request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=2)
         )
@@ -124,5 +125,28 @@ def test_a_local_request_is_routed_with_the_plans_hashes(monkeypatch):
         (metric,) = decode.metrics.hash_seconds.collect()
         assert [x.value for x in metric.samples if x.name.endswith("_count")] == [1]
         assert sum(decode.load.queued(w) for w in ("w0", "w1")) == 0
+        samples.extend(
+            (x.labels["where"], x.labels["reason"])
+            for m in registry.collect()
+            for x in m.samples
+            if x.name.endswith("_total") and x.value
+        )
 
     run(with_client(gates, body, workers=2))
+    return samples
+
+
+def test_a_local_request_is_routed_with_the_plans_hashes(monkeypatch):
+    """The prompt the plan keeps local (14 blocks left to prefill: under 20) is hashed once,
+    by the plan, and its route takes those hashes."""
+    assert routed_once(monkeypatch, decode_blocks=50) == [("local", "short")]
+
+
+def test_a_failed_prefill_falls_back_with_the_plans_hashes(monkeypatch):
+    """A long prefill goes to p0, which fails; the decode pool prefills it, routed with the
+    hashes the plan made (not hashed again)."""
+
+    def failing(*args, **kwargs):
+        raise ConnectionError("prefill worker gone")
+
+    assert routed_once(monkeypatch, 0, failing) == [("local", "prefill_failed")]
