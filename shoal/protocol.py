@@ -398,7 +398,26 @@ class AllBlocksCleared(KVCacheEvent):
     """Every cached block dropped (a prefix-cache reset)."""
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+class RouteHashesStored(KVCacheEvent):
+    """Blocks a shoal worker now holds in tier `medium`, named by the router's hash of their
+    tokens and prefix (kv_hash.route_hashes at the worker's block size), packed as
+    little-endian uint64; each is a router hash the worker did not hold there before. The
+    worker translates its engine's events (shoal.route_events), so a router applies these
+    without re-hashing tokens or keeping a map per worker."""
+
+    route_hashes: bytes
+    medium: str | None = MEDIUM_GPU
+
+
+class RouteHashesRemoved(KVCacheEvent):
+    """Router hashes (packed as in RouteHashesStored) a shoal worker no longer holds in
+    tier `medium`."""
+
+    route_hashes: bytes
+    medium: str | None = MEDIUM_GPU
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | RouteHashesStored | RouteHashesRemoved
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
@@ -429,14 +448,15 @@ class KVStateDump(msgspec.Struct, kw_only=True):
 
     A router replaces what it knew of the worker with what `events` store, then applies the
     worker's batches numbered above `seq` (-1 if the worker's numbers start at 0, as vLLM's
-    do, and none was sent). The events are BlockStored ones, each block's parent before it,
-    so the router re-hashes their tokens as it does any stored block's.
+    do, and none was sent). The events are those of the worker's --kv-events-format: one
+    RouteHashesStored per tier, or BlockStored ones (GPU memory only), each block's parent
+    before it, whose tokens the router re-hashes as it does any stored block's.
     """
 
     worker_id: str
     seq: int
     block_size: int
-    events: list[BlockStored]
+    events: list[KVEvent]
 
 
 # Router replicas share the load they add to workers (shoal/router/replica_sync.py): each

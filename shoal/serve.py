@@ -23,7 +23,13 @@ from shoal.mocker.cli import MOCKER
 from shoal.router.cli import KV_ROUTING
 from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, PLANE_SECRET, RUNTIME, setup_logging
-from shoal.worker.cli import ENGINE_CHOICE, KV_TRANSFER, MODEL_NAME, add_engine_choice_args
+from shoal.worker.cli import (
+    ENGINE_CHOICE,
+    KV_EVENTS,
+    KV_TRANSFER,
+    MODEL_NAME,
+    add_engine_choice_args,
+)
 
 log = logging.getLogger("shoal.serve")
 
@@ -77,6 +83,7 @@ def configure(parser: FlagParser) -> None:
     add_frontend_args(parser)
     parser.add_group(SERVE)
     parser.add_group(KV_TRANSFER)
+    parser.add_group(KV_EVENTS)
     parser.add_group(DISAGG)
     parser.add_group(RUNTIME)
     parser.add_group(LOGGING)
@@ -86,7 +93,12 @@ def configure(parser: FlagParser) -> None:
 def worker_argv(args: argparse.Namespace, discovery: str) -> list[str]:
     """The `shoal worker` command line carrying this command's engine options."""
     argv = [sys.executable, "-m", "shoal", "worker", *engine_argv(args)]
-    argv += flag_argv(args, ENGINE_CHOICE) + flag_argv(args, MOCKER) + flag_argv(args, KV_TRANSFER)
+    argv += (
+        flag_argv(args, ENGINE_CHOICE)
+        + flag_argv(args, MOCKER)
+        + flag_argv(args, KV_TRANSFER)
+        + flag_argv(args, KV_EVENTS)
+    )
     argv += ["--discovery", discovery, "--served-model-name", args.served_model_name or args.model]
     if args.dead_after is not None:
         argv += ["--dead-after", str(args.dead_after)]

@@ -1,13 +1,11 @@
 """Which workers hold which KV blocks, kept up to date from the workers' KV events.
 
 The index keys every block on the router's own hash of its tokens (kv_hash.route_hashes),
-whatever hash the engine that cached it uses: a BlockStored event's token_ids are re-hashed,
-chained from the router hash of the event's parent block, and each worker keeps a map from
-its engine's hashes to the router's, which BlockRemoved events are read through. So the
-index follows shoal engines and any engine publishing vLLM-format events alike. A batch's
-events are re-hashed in one vectorised call (a _Wave) wherever each event's parent is known
-before the batch or is the last block of the event before it, as it is when an engine
-stores a request's blocks step after step.
+whatever hash the engine that cached it uses. A shoal worker publishes the router hashes it
+starts and stops holding (RouteHashesStored, RouteHashesRemoved: it runs the translation of
+shoal.route_events itself), which are queued as they come; any other worker's events
+(vLLM's format) go through an EventTranslator here, one per worker, which re-hashes each
+BlockStored's token ids and reads BlockRemoved events through its map of engine hashes.
 
 Router hashes are chained, so one hash names its block and its whole prefix: the index is a
 flat table from hash to block id (shoal.router.block_table, numpy), and per block id a bit
@@ -19,48 +17,42 @@ done only where the holders change. A short prompt (SHORT_PROMPT_BLOCKS), where 
 cost per call would dominate, is looked up through a dict mirror of the table instead,
 its masks ANDed as Python ints.
 
-Events first update each worker's own dicts (engine hash -> router hash, router hash ->
-engine blocks with that content) with whole-batch dict operations in C, and queue the
-(worker, block) pairs that start or stop being held; the queue is applied to the table and
-the masks in one vectorised pass before any lookup, or once it holds FLUSH_OPS pairs, so
-numpy's cost per call is paid per thousand blocks rather than per event.
+The (worker, block) pairs that start or stop being held are queued, a batch of keys at a
+time, and applied to the table and the masks in one vectorised pass before any lookup, or
+once FLUSH_OPS pairs wait, so numpy's cost per call is paid per thousand blocks rather than
+per event.
 
 Blocks in GPU memory are indexed here; blocks in a worker's lower tiers (events with
 `medium` CPU or DISK, shoal.engine.kv_offload) go to a second index of the same kind,
 `lower`, with the same bit per worker, and tiered_overlaps says how far a prompt's prefix
-reaches through GPU and lower tiers together. A stored block's parent is looked up in both
-(a block offloaded to the host may be the child of one only the GPU holds, and the other
-way round).
+reaches through GPU and lower tiers together.
 """
 
 from __future__ import annotations
 
-import logging
 from array import array
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence, Set
 from functools import partial
-from itertools import accumulate, filterfalse, groupby, repeat, takewhile
+from itertools import accumulate, groupby, takewhile
 from operator import and_, is_not
 
 import numpy as np
 
-from shoal.kv_hash import ROUTE_ROOT, extra_key, route_extra, route_hash_runs
 from shoal.protocol import (
     GPU_MEDIA,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     EngineBlockHash,
     KVEvent,
+    RouteHashesRemoved,
+    RouteHashesStored,
 )
+from shoal.route_events import Change, EventTranslator
 from shoal.router.block_table import BlockTable
-
-log = logging.getLogger(__name__)
 
 FLUSH_OPS = 1024  # queued (worker, block) changes applied without waiting for a lookup
 SHORT_PROMPT_BLOCKS = 256  # prompts up to this many blocks are looked up without numpy
 _not_none = partial(is_not, None)
+_ROUTED = (RouteHashesStored, RouteHashesRemoved)
 
 
 class _Columns:
@@ -92,19 +84,6 @@ class _Columns:
         if column is not None:
             self.names[column] = None
             self._free.append(column)
-
-
-class _Held:
-    """One worker's blocks: its column, engine hash -> router hash, router hash -> engine
-    blocks with that content."""
-
-    __slots__ = ("column", "count", "dups", "router_of")
-
-    def __init__(self, column: int) -> None:
-        self.column = column
-        self.router_of: dict[EngineBlockHash, int] = {}
-        self.count: dict[int, int] = {}
-        self.dups = 0  # router hashes held by more than one engine block
 
 
 def _bits_of(mask: int) -> Iterator[int]:
@@ -148,157 +127,48 @@ def _leading(words: list[np.ndarray], columns: _Columns) -> dict[str, int]:
     return {names[c]: d for c, d in zip(column.tolist(), depth[where].tolist(), strict=True)}
 
 
-class _Wave:
-    """BlockStored events whose router hashes one vectorised call computes: runs of blocks,
-    each chained from a parent known before the wave or continuing the run before it."""
-
-    __slots__ = ("_extra", "block_size", "engine", "extras", "lengths", "parents", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.engine: list[EngineBlockHash] = []  # the engine's hashes of the blocks, in order
-        self.parents: list[int] = []  # per run: the router hash it chains from
-        self.lengths: list[int] = []  # per run: its blocks
-        self.extras: list[int] = []  # per run: route_extra of its extra key
-        self.block_size = 0
-        self._extra = b""
-
-    def __bool__(self) -> bool:
-        return bool(self.lengths)
-
-    def continues(self, event: BlockStored, extra: bytes) -> bool:
-        """Whether the event chains from the last block of the wave's last run."""
-        return (
-            bool(self.engine)
-            and event.parent_block_hash == self.engine[-1]
-            and event.block_size == self.block_size
-            and extra == self._extra
-        )
-
-    def extend(self, event: BlockStored) -> None:
-        self.tokens += event.token_ids
-        self.engine += event.block_hashes
-        self.lengths[-1] += len(event.block_hashes)
-
-    def start(self, event: BlockStored, parent: int, extra: bytes) -> None:
-        self.block_size = event.block_size
-        self._extra = extra
-        self.tokens += event.token_ids
-        self.engine += event.block_hashes
-        self.parents.append(parent)
-        self.lengths.append(len(event.block_hashes))
-        self.extras.append(route_extra(extra))
-
-
 class KvIndexer:
-    """Router block hash -> workers holding it, and per worker its blocks, from KV events."""
+    """Router block hash -> workers holding it, and per worker how many, from KV events."""
 
     def __init__(self, lower_tiers: bool = True, _columns: _Columns | None = None) -> None:
         """lower_tiers: also index the blocks workers hold in host memory or on disk."""
+        self._owns_columns = _columns is None  # the GPU index; the lower one shares its bits
         self._columns = _columns or _Columns()
         self._table = BlockTable()
         self._bits = np.zeros((self._table.id_capacity, 1), np.uint64)  # block id -> mask
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, int] = {}  # worker -> blocks it holds here
+        self._translators: dict[str, EventTranslator] = {}  # workers publishing vLLM's format
         self._id_of: dict[int, int] = {}  # the table as a dict, for short lookups
-        # (worker, block) changes not yet in the table and masks: router hash, column, held
-        self._keys: list[int] = []
-        self._cols: list[int] = []
-        self._sets: list[bool] = []
+        # (worker, block) changes not yet in the table and masks: (router hashes, column, held)
+        self._queued: list[tuple[np.ndarray | list[int], int, bool]] = []
+        self._queued_ops = 0
         self.lower: KvIndexer | None = (
             KvIndexer(lower_tiers=False, _columns=self._columns) if lower_tiers else None
         )
-        self._peer: KvIndexer | None = None  # the other tier's index, for parent lookups
-        if self.lower is not None:
-            self.lower._peer = self
-            self._peer = self.lower
 
     def apply(self, worker_id: str, event: KVEvent) -> None:
         """Apply one KV event published by `worker_id`."""
-        match event:
-            case BlockStored():
-                if event.medium in GPU_MEDIA:
-                    self._apply_stored(worker_id, [event])
-                elif self.lower is not None:
-                    self.lower._apply_stored(worker_id, [event])
-            case BlockRemoved(block_hashes=hashes, medium=medium):
-                if medium in GPU_MEDIA:
-                    self.remove(worker_id, hashes)
-                elif self.lower is not None:
-                    self.lower.remove(worker_id, hashes)
-            case AllBlocksCleared():
-                self.clear(worker_id)
-            case _:
-                raise TypeError(f"not a KV event: {event!r}")
+        self.apply_batch(worker_id, (event,))
 
     def apply_batch(self, worker_id: str, events: Iterable[KVEvent]) -> None:
-        """Apply a batch in order; consecutive GPU BlockStored events are applied as one."""
-        run: list[BlockStored] = []
+        """Apply a batch in order: router hashes are queued as they come; runs of
+        vLLM-format events go through the worker's translator."""
+        self._known(worker_id)  # a worker is known from its first event on
+        foreign: list[KVEvent] = []
         for event in events:
-            if type(event) is BlockStored and event.medium in GPU_MEDIA:
-                run.append(event)
-                continue
-            if run:
-                self._apply_stored(worker_id, run)
-                run = []
-            self.apply(worker_id, event)
-        if run:
-            self._apply_stored(worker_id, run)
-
-    def _apply_stored(self, worker_id: str, events: list[BlockStored]) -> None:
-        """Re-hash the events' blocks (chained from their parents' router hashes) and store
-        them, the whole batch in one vectorised hash where the parents allow; an event whose
-        parent is unknown or whose sizes disagree is skipped."""
-        self._held_of(worker_id)  # a worker is known from its first event on
-        wave = _Wave()
-        for event in events:
-            size = event.block_size
-            if size <= 0 or len(event.token_ids) != size * len(event.block_hashes):
-                log.debug(
-                    "worker %s: BlockStored with %d tokens for %d blocks of %d: skipped",
-                    worker_id,
-                    len(event.token_ids),
-                    len(event.block_hashes),
-                    size,
-                )
-                continue
-            parent = event.parent_block_hash
-            extra = extra_key(event.lora_id)
-            if wave.continues(event, extra):
-                wave.extend(event)
-                continue
-            router_parent = ROUTE_ROOT if parent is None else self._router_parent(worker_id, parent)
-            if router_parent is None and wave:  # its parent may be in the wave: store that
-                self._store_wave(worker_id, wave)
-                wave = _Wave()
-                router_parent = self._router_parent(worker_id, parent)
-            if router_parent is None:
-                log.debug("worker %s: stored blocks after an unknown parent: skipped", worker_id)
-                continue
-            if wave and size != wave.block_size:
-                self._store_wave(worker_id, wave)
-                wave = _Wave()
-            wave.start(event, router_parent, extra)
-        if wave:
-            self._store_wave(worker_id, wave)
-
-    def _router_parent(self, worker_id: str, parent: EngineBlockHash) -> int | None:
-        """The router hash of a worker's engine block, from either tier's index."""
-        held = self._held.get(worker_id)
-        found = None if held is None else held.router_of.get(parent)
-        if found is None and self._peer is not None:
-            peer = self._peer._held.get(worker_id)
-            found = None if peer is None else peer.router_of.get(parent)
-        return found
-
-    def _store_wave(self, worker_id: str, wave: _Wave) -> None:
-        hashes = route_hash_runs(
-            wave.tokens,
-            wave.block_size,
-            np.array(wave.parents, np.uint64),
-            np.array(wave.lengths),
-            np.array(wave.extras, np.uint64) if any(wave.extras) else None,
-        )
-        self.store(worker_id, hashes.tolist(), wave.engine)
+            if type(event) in _ROUTED:
+                if foreign:
+                    self._apply_changes(worker_id, self._translator(worker_id).translate(foreign))
+                    foreign = []
+                index = self if event.medium in GPU_MEDIA else self.lower
+                if index is not None:
+                    keys = np.frombuffer(event.route_hashes, "<u8")
+                    index._change(worker_id, keys, type(event) is RouteHashesStored)
+            else:
+                foreign.append(event)
+        if foreign:
+            self._apply_changes(worker_id, self._translator(worker_id).translate(foreign))
+        self._flush_if_full()
 
     def store(
         self,
@@ -307,81 +177,44 @@ class KvIndexer:
         engine_hashes: Sequence[EngineBlockHash] | None = None,
     ) -> None:
         """Record that `worker_id` holds these blocks (router hashes), which its engine calls
-        `engine_hashes` (the same if None); storing a held engine block again is a no-op.
-
-        The usual batch (engine blocks new to the index, each named once) costs a few dict
-        operations in C over the whole batch; others go block by block."""
+        `engine_hashes` (the same if None); storing a held engine block again is a no-op."""
         keys = block_hashes if type(block_hashes) is list else list(block_hashes)
-        engine = keys if engine_hashes is None else engine_hashes
-        if len(engine) != len(keys):
-            raise ValueError(f"{len(keys)} router hashes for {len(engine)} engine hashes")
-        held = self._held_of(worker_id)
-        router_of, count = held.router_of, held.count
-        if not any(map(router_of.__contains__, engine)):
-            before = len(router_of)
-            router_of.update(zip(engine, keys, strict=True))
-            if len(router_of) - before < len(keys):  # a name given twice: its last block wins
-                keys = list(dict(zip(engine, keys, strict=True)).values())
-            fresh = list(filterfalse(count.__contains__, keys))
-            if len(fresh) < len(keys):  # contents held already, under other engine names
-                for key in keys:
-                    if key in count:
-                        held.dups += count[key] == 1
-                        count[key] += 1
-            before = len(count)
-            count.update(zip(fresh, repeat(1)))
-            if len(count) - before < len(fresh):  # a new content under several names
-                for key, n in Counter(fresh).items():
-                    if n > 1:
-                        count[key] = n
-                        held.dups += 1
-                fresh = list(dict.fromkeys(fresh))
-            self._queue(held.column, fresh, True)
-        else:
-            for key, name in zip(keys, engine, strict=True):
-                old = router_of.get(name)
-                if old == key:
-                    continue
-                if old is not None:
-                    self._drop(held, old)
-                router_of[name] = key
-                self._add(held, key)
-        if len(self._keys) >= FLUSH_OPS:
-            self.flush()
+        for held, changed in self._translator(worker_id).gpu.store(keys, engine_hashes):
+            self._change(worker_id, changed, held)
+        self._flush_if_full()
 
     def remove(self, worker_id: str, engine_hashes: Iterable[EngineBlockHash]) -> None:
         """Forget these blocks (by the engine's hashes); blocks not held are ignored."""
-        held = self._held_of(worker_id)
-        keys = list(filter(_not_none, map(held.router_of.pop, engine_hashes, repeat(None))))
-        if not held.dups:  # each key held once: all go
-            deque(map(held.count.__delitem__, keys), maxlen=0)
-            self._queue(held.column, keys, False)
-        else:
-            for key in keys:
-                self._drop(held, key)
-        if len(self._keys) >= FLUSH_OPS:
-            self.flush()
+        self._change(worker_id, self._translator(worker_id).gpu.remove(engine_hashes), False)
+        self._flush_if_full()
 
     def clear(self, worker_id: str) -> None:
         """Forget every block of `worker_id`, keeping the worker known (with no blocks)."""
+        translator = self._translators.get(worker_id)
+        if translator is not None:
+            translator.gpu.clear()
+            translator.lower.clear()
+        self._clear_bits(worker_id)
+
+    def _clear_bits(self, worker_id: str) -> None:
+        """Clear the worker's bit from every block, in both tiers, keeping it known."""
         self._forget(worker_id)
-        self._held_of(worker_id)
+        self._known(worker_id)
         if self.lower is not None:
-            self.lower.clear(worker_id)
+            self.lower._clear_bits(worker_id)
 
     def load_dump(self, worker_id: str, events: Iterable[KVEvent]) -> None:
         """Replace all that is known of `worker_id` with what these events store (a resync:
-        KVStateDump.events, each block's parent before it)."""
+        KVStateDump.events)."""
         self.clear(worker_id)
         self.apply_batch(worker_id, events)
 
     def remove_worker(self, worker_id: str) -> None:
         self._forget(worker_id)
-        self.flush()
+        self._translators.pop(worker_id, None)
         if self.lower is not None:
             self.lower._forget(worker_id)
-            self.lower.flush()
-        if self._peer is None or self.lower is not None:  # the index owning the columns
+        if self._owns_columns:
             self._columns.release(worker_id)
 
     def overlaps(self, block_hashes: Sequence[int] | np.ndarray) -> dict[str, int]:
@@ -443,13 +276,19 @@ class KvIndexer:
         return {w: d for w, d in deep.items() if d > gpu.get(w, 0)}
 
     def blocks(self, worker_id: str) -> Set[int]:
-        """The router hashes `worker_id` holds (a live read-only view; empty if unknown)."""
-        held = self._held.get(worker_id)
-        return frozenset() if held is None else held.count.keys()
+        """The router hashes `worker_id` holds (read-only; a live view where its events are
+        translated here, as the router's own predictions are; empty if unknown)."""
+        translator = self._translators.get(worker_id)
+        if translator is not None and self.lower is not None:
+            return translator.gpu.count.keys()
+        column = self._columns.of.get(worker_id)
+        if column is None or worker_id not in self._held:
+            return frozenset()
+        self.flush()
+        return frozenset(self._table.key_of[self._column_ids(column)].tolist())
 
     def num_blocks(self, worker_id: str) -> int:
-        held = self._held.get(worker_id)
-        return 0 if held is None else len(held.count)
+        return self._held.get(worker_id, 0)
 
     def num_distinct_blocks(self) -> int:
         """Blocks held by at least one worker (each counted once)."""
@@ -462,47 +301,72 @@ class KvIndexer:
 
     # ---- internals
 
-    def _held_of(self, worker_id: str) -> _Held:
-        held = self._held.get(worker_id)
-        if held is None:
-            held = self._held[worker_id] = _Held(self._columns.get(worker_id))
-        return held
+    def _known(self, worker_id: str) -> None:
+        if worker_id not in self._held:
+            self._held[worker_id] = 0
+            self._columns.get(worker_id)
 
-    def _add(self, held: _Held, key: int) -> None:
-        n = held.count.get(key, 0)
-        held.count[key] = n + 1
-        if not n:
-            self._queue(held.column, (key,), True)
-        held.dups += n == 1
+    def _translator(self, worker_id: str) -> EventTranslator:
+        translator = self._translators.get(worker_id)
+        if translator is None:
+            self._known(worker_id)
+            translator = self._translators[worker_id] = EventTranslator(worker_id)
+        return translator
 
-    def _drop(self, held: _Held, key: int) -> None:
-        n = held.count[key]
-        if n == 1:
-            del held.count[key]
-            self._queue(held.column, (key,), False)
-        else:
-            held.count[key] = n - 1
-            held.dups -= n == 2
+    def _apply_changes(self, worker_id: str, changes: list[Change]) -> None:
+        for held, keys, lower, _medium in changes:
+            if keys is None:  # the translator has cleared its maps
+                self._clear_bits(worker_id)
+            elif not lower:
+                self._change(worker_id, keys, held)
+            elif self.lower is not None:
+                self.lower._change(worker_id, keys, held)
+
+    def _change(self, worker_id: str, keys: np.ndarray | list[int], held: bool) -> None:
+        """Queue that `worker_id` now holds (or no longer holds) these router hashes."""
+        if len(keys):
+            self._known(worker_id)
+            self._held[worker_id] += len(keys) if held else -len(keys)
+            self._queue(self._columns.of[worker_id], keys, held)
+
+    def _queue(self, column: int, keys: np.ndarray | list[int], held: bool) -> None:
+        self._queued.append((keys, column, held))
+        self._queued_ops += len(keys)
+
+    def _flush_if_full(self) -> None:
+        if self._queued_ops >= FLUSH_OPS:
+            self.flush()
+        if self.lower is not None and self.lower._queued_ops >= FLUSH_OPS:
+            self.lower.flush()
 
     def _forget(self, worker_id: str) -> None:
-        held = self._held.pop(worker_id, None)
-        if held is not None:
-            self._queue(held.column, list(held.count), False)
+        """Clear the worker's bit from every block and forget it here."""
+        if self._held.pop(worker_id, None) is None:
+            return
+        column = self._columns.of[worker_id]
+        self.flush()
+        ids = self._column_ids(column)
+        if len(ids):
+            self._queue(column, self._table.key_of[ids], False)
+            self.flush()
 
-    def _queue(self, column: int, keys: Sequence[int], held: bool) -> None:
-        self._keys += keys
-        self._cols += repeat(column, len(keys))
-        self._sets += repeat(held, len(keys))
+    def _column_ids(self, column: int) -> np.ndarray:
+        """The ids of the blocks whose mask has this column's bit."""
+        word, bit = column >> 6, np.uint64(1 << (column & 63))
+        if word >= self._bits.shape[1]:
+            return np.zeros(0, np.intp)
+        return np.flatnonzero(self._bits[:, word] & bit)
 
     def flush(self) -> None:
         """Apply the queued (worker, block) changes to the table and the masks at once
         (lookups do it first)."""
-        if not self._keys:
+        if not self._queued:
             return
-        keys = np.frombuffer(array("Q", self._keys), np.uint64)
-        cols = np.frombuffer(array("q", self._cols), np.int64)
-        sets = np.frombuffer(array("b", self._sets), np.bool_)
-        self._keys, self._cols, self._sets = [], [], []
+        queued, self._queued, self._queued_ops = self._queued, [], 0
+        lengths = [len(keys) for keys, _, _ in queued]
+        keys = np.concatenate([_u64(keys) for keys, _, _ in queued])
+        cols = np.repeat(np.array([column for _, column, _ in queued], np.int64), lengths)
+        sets = np.repeat(np.array([held for _, _, held in queued], np.bool_), lengths)
         if not (sets.all() or not sets.any()):
             keys, cols, sets = _net(keys, cols, sets)
         self._fit()

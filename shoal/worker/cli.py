@@ -101,6 +101,24 @@ KV_TRANSFER = FlagGroup(
 )
 
 
+KV_EVENTS = FlagGroup(
+    "kv events",
+    (
+        Flag(
+            "kv-events-format",
+            "the KV events a worker publishes: shoal (the router's hashes of the blocks it "
+            "starts and stops holding, which a router applies without re-hashing tokens) or "
+            "vllm (vLLM's BlockStored and BlockRemoved with token ids, for any router that "
+            "reads vLLM's events)",
+            default="shoal",
+            choices=("shoal", "vllm"),
+        ),
+    ),
+    about="What a worker tells routers of its KV cache (`shoal serve` passes it to its "
+    "workers; docs/routing.md).",
+)
+
+
 def add_engine_choice_args(parser: FlagParser) -> None:
     """--engine, and the mocker's flags that go with it."""
     parser.add_group(ENGINE_CHOICE)
@@ -119,6 +137,7 @@ def configure(parser: FlagParser) -> None:
     parser.add_group(WORKER)
     parser.add_group(ROLE)
     parser.add_group(KV_TRANSFER)
+    parser.add_group(KV_EVENTS)
     parser.add_group(RUNTIME)
     parser.add_group(LOGGING)
     parser.set_defaults(func=run_worker)
@@ -173,6 +192,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 role=args.role,
                 pin_timeout=args.kv_pin_timeout,
                 kv_transfer_backend=args.kv_transfer_backend,
+                kv_events_format=args.kv_events_format,
                 **runtime_options(args),
             )
         )

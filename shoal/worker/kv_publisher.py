@@ -7,10 +7,14 @@ switch interval before the engine thread got it back: on every step that stored 
 Batches go out in the order the engine thread handed them over, so a dump's `seq` is
 exactly the last KV batch it includes.
 
-A router keys its index on its own hash of each stored block's tokens, so a dump gives
-every cached block as a BlockStored with its tokens and parent. The engine keeps no tokens
-for its cached blocks; the publisher does, as references to the events that stored them
-(CachedBlocks), kept up to date from the events it sends.
+A router keys its index on its own hash of each stored block's tokens. In the `shoal`
+format (--kv-events-format) the publisher computes those hashes itself (an EventTranslator,
+shoal.route_events) and sends the router hashes the worker starts and stops holding, so the
+per-block work is done here, once per worker, and not in every router; a dump is the router
+hashes held, one event per tier. In the `vllm` format it sends the engine's events as they
+are, and a dump gives every cached block as a BlockStored with its tokens and parent: the
+engine keeps no tokens for its cached blocks, so the publisher does, as references to the
+events that stored them (CachedBlocks), kept up to date from the events it sends.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from shoal.protocol import (
     KVStateDump,
     LoadReport,
 )
+from shoal.route_events import EventTranslator, as_route_events, held_events
 from shoal.runtime.event_plane import EventPublisher
+
+KV_EVENTS_FORMATS = ("shoal", "vllm")
 
 
 class CachedBlocks:
@@ -102,7 +109,7 @@ def _parents_first(stored: list[BlockStored]) -> list[BlockStored]:
 
 
 class KVPublisher:
-    """Publishes one worker's KV event batches (vLLM's layout and framing) and load reports."""
+    """Publishes one worker's KV event batches (vLLM's framing) and load reports."""
 
     def __init__(
         self,
@@ -111,19 +118,34 @@ class KVPublisher:
         *,
         advertise_host: str | None = None,
         secret: str | None = None,
+        events_format: str = "shoal",
     ) -> None:
         """Publish on `host` (advertised as `advertise_host` when it differs), signing every
-        message with the plane `secret` when one is set."""
+        message with the plane `secret` when one is set; events_format: shoal (router
+        hashes) or vllm (the engine's events, vLLM's layout)."""
+        if events_format not in KV_EVENTS_FORMATS:
+            raise ValueError(f"KV events format {events_format!r}: not one of {KV_EVENTS_FORMATS}")
         self.worker_id = worker_id
         self._publisher = EventPublisher(host, advertise_host=advertise_host, secret=secret)
         self.address = self._publisher.address
         self.seq = 0  # the frame sequence number of the last KV event batch sent (from 1)
-        self.cached = CachedBlocks()
+        self.translator = EventTranslator(worker_id) if events_format == "shoal" else None
+        self.cached = CachedBlocks() if self.translator is None else None
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks the events sent so far leave cached in GPU memory."""
+        if self.translator is not None:
+            return len(self.translator.gpu.router_of)
+        return len(self.cached)
 
     def publish_events(self, events: list[KVEvent]) -> None:
         """Send one step's KV events (LLMEngine.take_kv_events) as a batch, if any."""
-        if events:
+        if self.translator is not None:
+            events = as_route_events(self.translator.translate(events))
+        elif events:
             self.cached.apply(events)
+        if events:
             batch = KVEventBatch(ts=time.time(), events=events)
             self.seq = self._publisher.publish(KV_EVENTS_TOPIC, batch)
 
@@ -132,11 +154,11 @@ class KVPublisher:
 
     def dump(self, block_size: int) -> KVStateDump:
         """Every cached block the batches sent so far leave, as of the last one's `seq`."""
+        events = (
+            self.cached.as_events() if self.translator is None else held_events(self.translator)
+        )
         return KVStateDump(
-            worker_id=self.worker_id,
-            seq=self.seq,
-            block_size=block_size,
-            events=self.cached.as_events(),
+            worker_id=self.worker_id, seq=self.seq, block_size=block_size, events=events
         )
 
     def close(self) -> None:

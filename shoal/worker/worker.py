@@ -201,7 +201,7 @@ class Worker:
         log.info(
             "KV state dump for a router (%s): %d blocks at seq %d",
             request.reason,
-            len(self.publisher.cached),
+            self.publisher.num_cached,
             dump.seq,
         )
         yield dump
@@ -245,6 +245,7 @@ async def serve_worker(
     role: str = "both",
     pin_timeout: float = PIN_TIMEOUT,
     kv_transfer_backend: str = "auto",
+    kv_events_format: str = "shoal",
 ) -> None:
     """Start the engine, register, serve until SIGTERM/SIGINT, then drain and exit.
 
@@ -254,7 +255,8 @@ async def serve_worker(
     runtime's default, 60); stats_interval: seconds between engine stats log lines (0: off).
     role: both (aggregated), prefill (serves PREFILL_ENDPOINT and its pinned KV blocks,
     unpinned after pin_timeout s at the latest) or decode (pulls KV with the
-    kv_transfer_backend); see docs/disagg.md.
+    kv_transfer_backend); see docs/disagg.md. kv_events_format: shoal (router hashes) or
+    vllm (the engine's events in vLLM's layout); see docs/routing.md.
     Raises SystemExit(1) after withdrawing from discovery if the engine loop dies.
     """
     loop = asyncio.get_running_loop()
@@ -269,7 +271,11 @@ async def serve_worker(
         **liveness,
     )
     publisher = KVPublisher(
-        runtime.instance_id, host, advertise_host=advertise_host, secret=plane_secret
+        runtime.instance_id,
+        host,
+        advertise_host=advertise_host,
+        secret=plane_secret,
+        events_format=kv_events_format,
     )
     died = asyncio.Event()
 
