@@ -203,3 +203,14 @@ def test_advertise_address_is_routable_when_binding_every_interface():
     address = advertise_address("0.0.0.0")
     assert address not in ANY_ADDRESS
     assert socket.inet_aton(address)  # an IPv4 address other hosts can dial
+
+
+def test_serve_forwards_the_kv_events_format_and_checks_its_twin(monkeypatch, capsys):
+    args = parse("serve", "--model", "m", "--kv-events-format", "vllm")
+    worker = build_parser("worker").parse_args(worker_argv(args, "file:///tmp/d")[4:])
+    assert worker.kv_events_format == "vllm"
+    assert parse("worker", "--model", "m").kv_events_format == "shoal"
+    monkeypatch.setenv("SHOAL_KV_EVENTS_FORMAT", "sglang")
+    with pytest.raises(SystemExit):
+        parse("worker", "--model", "m")
+    assert "SHOAL_KV_EVENTS_FORMAT" in capsys.readouterr().err

@@ -41,6 +41,7 @@ import numpy as np
 
 from shoal.protocol import (
     GPU_MEDIA,
+    AllBlocksCleared,
     EngineBlockHash,
     KVEvent,
     RouteHashesRemoved,
@@ -52,7 +53,7 @@ from shoal.router.block_table import BlockTable
 FLUSH_OPS = 1024  # queued (worker, block) changes applied without waiting for a lookup
 SHORT_PROMPT_BLOCKS = 256  # prompts up to this many blocks are looked up without numpy
 _not_none = partial(is_not, None)
-_ROUTED = (RouteHashesStored, RouteHashesRemoved)
+_DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
 
 
 class _Columns:
@@ -156,16 +157,20 @@ class KvIndexer:
         self._known(worker_id)  # a worker is known from its first event on
         foreign: list[KVEvent] = []
         for event in events:
-            if type(event) in _ROUTED:
-                if foreign:
-                    self._apply_changes(worker_id, self._translator(worker_id).translate(foreign))
-                    foreign = []
-                index = self if event.medium in GPU_MEDIA else self.lower
-                if index is not None:
-                    keys = np.frombuffer(event.route_hashes, "<u8")
-                    index._change(worker_id, keys, type(event) is RouteHashesStored)
-            else:
+            kind = type(event)
+            if kind not in _DIRECT:
                 foreign.append(event)
+                continue
+            if foreign:
+                self._apply_changes(worker_id, self._translator(worker_id).translate(foreign))
+                foreign = []
+            if kind is AllBlocksCleared:
+                self.clear(worker_id)
+                continue
+            index = self if event.medium in GPU_MEDIA else self.lower
+            if index is not None:
+                keys = np.frombuffer(event.route_hashes, "<u8")
+                index._change(worker_id, keys, kind is RouteHashesStored)
         if foreign:
             self._apply_changes(worker_id, self._translator(worker_id).translate(foreign))
         self._flush_if_full()

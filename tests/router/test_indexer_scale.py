@@ -1,7 +1,9 @@
 """The numpy index at scale: the block table against a dict, and random event batches over
 more than 64 workers (several mask words), with engine names unrelated to the router's hash
 (one content under several names), lower tiers, removals, clears and workers leaving and
-coming back, checked against a plain per-worker model after every batch."""
+coming back, checked against a plain per-worker model after every batch: the events as an
+engine makes them (vLLM's format, translated by the router) and as a shoal worker publishes
+them (translated by the worker, over the wire), whose dumps rebuild the same index."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import pytest
 from overlap_reference import leading_overlaps
 
 from shoal.kv_hash import route_hashes
-from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored
+from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from shoal.route_events import EventTranslator, as_route_events, held_events
 from shoal.router import block_table, indexer
 from shoal.router.block_table import BlockTable
 from shoal.router.indexer import KvIndexer
+from shoal.runtime.codec import ENCODER, decoder
 
 BLOCK = 4
 TIERS = ("GPU", "CPU")
@@ -160,9 +164,23 @@ def random_batch(rng: random.Random, sequences: list[list[int]], model: Model, w
     return events
 
 
+class ShoalWorkers:
+    """What shoal workers publish for an engine's events: each translates its own."""
+
+    def __init__(self) -> None:
+        self.translators: dict[str, EventTranslator] = {}
+        self._decode = decoder(KVEventBatch).decode
+
+    def published(self, worker: str, events: list) -> list:
+        translator = self.translators.setdefault(worker, EventTranslator(worker))
+        batch = KVEventBatch(ts=0.0, events=as_route_events(translator.translate(events)))
+        return self._decode(ENCODER.encode(batch)).events
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("lookup", ["as configured", "every query guessed"])
-def test_batches_over_many_workers_match_the_model(seed, lookup, monkeypatch):
+@pytest.mark.parametrize("published", ["vllm", "shoal"])
+def test_batches_over_many_workers_match_the_model(seed, lookup, published, monkeypatch):
     if lookup != "as configured":  # these short queries through leading_ids' guesses
         monkeypatch.setattr(indexer, "SHORT_PROMPT_BLOCKS", 0)
         monkeypatch.setattr(block_table, "_STRIDE", 2)
@@ -173,14 +191,18 @@ def test_batches_over_many_workers_match_the_model(seed, lookup, monkeypatch):
         base = rng.choice(sequences) if sequences and rng.random() < 0.5 else rng.choice(roots)
         sequences.append(base + [rng.randrange(30) for _ in range(BLOCK * rng.randint(0, 5))])
     workers = [f"w{i}" for i in range(rng.randint(65, 140))]
-    index, model = KvIndexer(), Model()
+    index, model, shoal = KvIndexer(), Model(), ShoalWorkers()
     for step in range(600):
         worker = rng.choice(workers)
         if rng.random() < 0.01:
             index.remove_worker(worker)
             model.pairs.pop(worker, None)
+            shoal.translators.pop(worker, None)  # the worker is gone: a new one starts empty
             continue
-        index.apply_batch(worker, random_batch(rng, sequences, model, worker))
+        events = random_batch(rng, sequences, model, worker)
+        index.apply_batch(
+            worker, events if published == "vllm" else shoal.published(worker, events)
+        )
         if step % 20:
             continue
         for _ in range(10):
@@ -198,6 +220,15 @@ def test_batches_over_many_workers_match_the_model(seed, lookup, monkeypatch):
             assert index.num_blocks(w) == len(model.held(w, "GPU"))
     held = set().union(*(model.held(w, "GPU") for w in model.pairs))
     assert index.num_distinct_blocks() == len(held)
+    if published == "shoal":  # the workers' dumps rebuild the index, lower tiers included
+        rebuilt = KvIndexer()
+        for worker, translator in shoal.translators.items():
+            rebuilt.load_dump(worker, held_events(translator))
+        for sequence in sequences:
+            query = hash_blocks(sequence, BLOCK)
+            gpu = index.overlaps(query)
+            assert rebuilt.overlaps(query) == gpu
+            assert rebuilt.tiered_overlaps(query, gpu) == index.tiered_overlaps(query, gpu)
     assert index.lower.num_distinct_blocks() == len(
         set().union(*(model.held(w, "CPU") for w in model.pairs))
     )

@@ -27,12 +27,13 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def workers(llama_dir: Path, tmp_path_factory):
-    """Two `shoal worker` processes registered in a discovery folder."""
+    """Two `shoal worker` processes registered in a discovery folder, one publishing KV
+    events in shoal's format (the default), the other in vLLM's."""
     folder = tmp_path_factory.mktemp("discovery")
     argv = [sys.executable, "-m", "shoal", "worker", "--model", str(llama_dir)]
     argv += ["--device", "cpu", "--discovery", f"file://{folder}", "--served-model-name", MODEL]
     argv += ["--block-size", str(BLOCK), "--drain-timeout", "1"]
-    procs = [subprocess.Popen(argv) for _ in range(2)]
+    procs = [subprocess.Popen(argv), subprocess.Popen([*argv, "--kv-events-format", "vllm"])]
     yield folder, procs
     for p in procs:
         if p.poll() is None:
@@ -122,6 +123,40 @@ def test_requests_follow_their_cached_prefix(workers):
             m = router.metrics
             assert m.cached_blocks._value.get() == 24
         finally:
+            await close_client(client)
+
+    run(main())
+
+
+def test_a_prefix_cached_on_either_worker_is_followed(workers):
+    """Whichever format a worker publishes its KV events in, the index follows its cache."""
+    folder, _ = workers
+
+    async def main():
+        client = await open_client(folder)
+        router: KvRouter = client.policy
+        select = client.policy.select
+        try:
+            records = await client.endpoint.wait_for_instances(2)
+            for n, record in enumerate(records):
+                worker = record.instance_id
+                shared = prompt_of(40 + n, 3 * BLOCK)
+                client.policy.select = lambda instances, request, prepared=None, w=worker: next(
+                    i for i in instances if i.instance_id == w
+                )
+                await generate(client, f"pinned-{n}", [*shared, 5])
+                client.policy.select = select
+                hashes = route_hashes(shared, BLOCK)
+                await wait_for(lambda h=hashes, w=worker: router.indexer.overlaps(h).get(w) == 3)
+                chosen = routed_to(client)
+                cached, _ = await generate(client, f"follows-{n}", [*shared, 6, 7])
+                assert chosen == [worker] and cached == 3 * BLOCK
+                client.policy.select = select
+            # only the vLLM-format worker's events are translated by the router
+            translated = [r.instance_id in router.indexer._translators for r in records]
+            assert sorted(translated) == [False, True]
+        finally:
+            client.policy.select = select
             await close_client(client)
 
     run(main())
