@@ -17,7 +17,11 @@ worker costs each time it is placed again, and what the router service runs for 
 request); event application rates in block operations per second (one block stored on or
 removed from one worker is one operation), while building the index and while removing
 and re-storing a tenth of it, and the rate re-hashing the events' token ids alone would
-allow.
+allow. The same build and churn are then timed over the wire, as a router's event readers
+take them: each batch encoded as a worker publishes it, decoded and applied to a fresh index,
+in vLLM's format (BlockStored with token ids, which the router translates) and in shoal's
+(--kv-events-format shoal: router hashes, which the worker translated; how fast one worker
+translates is recorded too), with the bytes per block on the wire.
 
 It appends one record per (workers, prompt length) to
 benchmarks/results/router_decision.jsonl with provenance and the host's load average
@@ -68,12 +72,16 @@ from shoal.protocol import (
     BlockStored,
     EngineRequest,
     InstanceRecord,
+    KVEventBatch,
     ModelCard,
     SamplingParams,
 )
+from shoal.route_events import EventTranslator, as_route_events
+from shoal.router.indexer import KvIndexer
 from shoal.router.kv_router import KvRouter
 from shoal.router.metrics import RouterMetrics
 from shoal.router.prompt_hashes import prompt_hashes
+from shoal.runtime.codec import ENCODER, decoder
 
 RESULTS = Path(__file__).resolve().parent / "results" / "router_decision.jsonl"
 BLOCK = 16
@@ -153,6 +161,57 @@ def churn(router: KvRouter, stored: list[tuple[str, list[BlockStored]]]) -> tupl
     return seconds, 2 * len(sample) * (FILLER_TOKENS // BLOCK)
 
 
+def wire_batches(
+    stored: list[tuple[str, list[BlockStored]]], events_format: str
+) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]], float]:
+    """The build's and the churn's batches (churn() in events) as a worker publishes them
+    in this format, encoded; and the seconds the workers spent translating them (shoal)."""
+    translators: dict[str, EventTranslator] = {}
+    translating = 0.0
+
+    def encoded(worker: str, events: list) -> tuple[str, bytes]:
+        nonlocal translating
+        if events_format == "shoal":
+            t0 = time.perf_counter()
+            translator = translators.setdefault(worker, EventTranslator(worker))
+            events = as_route_events(translator.translate(events))
+            translating += time.perf_counter() - t0
+        return worker, ENCODER.encode(KVEventBatch(ts=0.0, events=events))
+
+    build = [encoded(worker, events) for worker, events in stored]
+    churn_batches = [
+        encoded(worker, [BlockRemoved(block_hashes=[h for e in events for h in e.block_hashes])])
+        for worker, events in stored[::10]
+    ]
+    churn_batches += [encoded(worker, events) for worker, events in stored[::10]]
+    return build, churn_batches, translating
+
+
+def wire_rates(stored: list[tuple[str, list[BlockStored]]]) -> dict:
+    """Block operations per second of decoding and applying the build's and the churn's
+    batches on a fresh index, in each --kv-events-format; bytes per block on the wire."""
+    per_prefix = FILLER_TOKENS // BLOCK
+    build_ops, churn_ops = len(stored) * per_prefix, 2 * len(stored[::10]) * per_prefix
+    decode = decoder(KVEventBatch).decode
+    figures = {}
+    for events_format in ("vllm", "shoal"):
+        build, churn_batches, translating = wire_batches(stored, events_format)
+        index = KvIndexer()
+        seconds = []
+        for batches in (build, churn_batches):
+            t0 = time.perf_counter()
+            for worker, payload in batches:
+                index.apply_batch(worker, decode(payload).events)
+            index.flush()
+            seconds.append(time.perf_counter() - t0)
+        figures[f"{events_format}_wire_build_block_ops_per_s"] = build_ops / seconds[0]
+        figures[f"{events_format}_wire_churn_block_ops_per_s"] = churn_ops / seconds[1]
+        figures[f"{events_format}_wire_bytes_per_block"] = sum(len(p) for _, p in build) / build_ops
+        if events_format == "shoal":
+            figures["worker_translate_block_ops_per_s"] = (build_ops + churn_ops) / translating
+    return figures
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -228,6 +287,7 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
     stored, build_s, build_ops = build_index(router, names, indexed_blocks, rng)
     churn_s, churn_ops = churn(router, stored)
     rehash = rehash_rate(stored)
+    wire = wire_rates(stored)
     rows = []
     for length in prompt_lengths:
         prompt = [rng.randrange(4, 150_000) for _ in range(length + 7)]  # a partial last block
@@ -248,6 +308,7 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
                 "build_block_ops_per_s": build_ops / build_s,
                 "churn_block_ops_per_s": churn_ops / churn_s,
                 "rehash_block_ops_per_s": rehash,
+                **wire,
             }
         )
     return rows
@@ -434,7 +495,7 @@ def main() -> int:
     print(
         f"{'workers':>7} {'tokens':>7} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'place50':>8}"
         f" {'place99':>8} {'hash':>7} {'walk':>7} {'build ops/s':>12} {'churn ops/s':>12}"
-        f" {'rehash ops/s':>12} {'load':>5}"
+        f" {'rehash ops/s':>12} {'vllm wire':>10} {'shoal wire':>10} {'load':>5}"
     )
     rows = []
     for workers in worker_counts:
@@ -447,7 +508,9 @@ def main() -> int:
                 f" {row['placement_p50_ms']:8.3f} {row['placement_p99_ms']:8.3f}"
                 f" {row['hash_p50_ms']:7.3f} {row['index_walk_p50_ms']:7.3f}"
                 f" {row['build_block_ops_per_s']:12.3g} {row['churn_block_ops_per_s']:12.3g}"
-                f" {row['rehash_block_ops_per_s']:12.3g} {row['load_average_1m']:5.1f}",
+                f" {row['rehash_block_ops_per_s']:12.3g}"
+                f" {row['vllm_wire_build_block_ops_per_s']:10.3g}"
+                f" {row['shoal_wire_build_block_ops_per_s']:10.3g} {row['load_average_1m']:5.1f}",
                 flush=True,
             )
     if not args.no_record:
