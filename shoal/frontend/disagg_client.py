@@ -165,7 +165,8 @@ class DisaggClient:
     ) -> tuple[InstanceRecord | None, str, np.ndarray | None]:
         """The prefill worker for this request, or None and why it stays local; and the
         prompt's route hashes if the decode router made them (a local request's route
-        takes them instead of hashing again)."""
+        takes them instead of hashing again; so does the prefill router where both pools
+        have one block size)."""
         sp = request.sampling
         if sp.n != 1 or sp.prompt_logprobs is not None or sp.max_tokens == 1:
             return None, "ineligible", None
@@ -176,18 +177,27 @@ class DisaggClient:
         ]
         if not instances:
             return None, "no_prefill_worker", None
-        block_size = instances[0].card.kv_block_size
-        hashes = None  # the prompt's route hashes, once for both routers when one needs them
+        hashes = None  # the prompt's route hashes for the decode pool, if its router keeps any
+        shared = None  # the same, when the prefill pool's blocks are the same size
         decode = self.workers.policy
         cached = 0
         if isinstance(decode, KvRouter):  # the most leading blocks a decode worker caches
-            hashes = decode.prepare(instances, request)  # timed in its hash metric
-            cached = max(decode.indexer.overlaps(hashes).values(), default=0) * block_size
+            pool = [
+                i
+                for i in self.workers.endpoint.instances()
+                if i.card is not None and i.card.model_name == model
+            ]
+            if pool:
+                hashes = decode.prepare(pool, request)  # timed in its hash metric
+                block_size = pool[0].card.kv_block_size
+                cached = max(decode.indexer.overlaps(hashes).values(), default=0) * block_size
+                if block_size == instances[0].card.kv_block_size:
+                    shared = hashes
         if len(request.prompt_token_ids) - cached <= self.max_local_prefill_length:
             return None, "short", hashes
         try:
             prefill = _prefill_request(request)  # the same prompt and adapter: the same hashes
-            return self.prefill_policy.select(instances, prefill, hashes), "remote", hashes
+            return self.prefill_policy.select(instances, prefill, shared), "remote", hashes
         except AllWorkersBusy:
             return None, "prefill_busy", hashes
 

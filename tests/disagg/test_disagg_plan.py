@@ -1,12 +1,13 @@
 """Where a disaggregated frontend prefills a prompt, with both pools routed by KV: locally
 when a decode worker caches enough of it, else on the prefill worker that caches most, the
-prompt hashed once for both routers."""
+prompt hashed once for both routers (once per pool where their block sizes differ)."""
 
 from __future__ import annotations
 
 import random
 from types import SimpleNamespace
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from shoal.frontend.disagg_client import DisaggClient
@@ -28,16 +29,16 @@ PREFILL = [
 PROMPT = [random.Random(0).randrange(4, 30_000) for _ in range(64 * BLOCK)]
 
 
-def cache(router: KvRouter, worker: str, blocks: int) -> None:
+def cache(router: KvRouter, worker: str, blocks: int, block_size: int = BLOCK) -> None:
     """Index the first `blocks` blocks of PROMPT as held by `worker`."""
-    tokens = PROMPT[: blocks * BLOCK]
+    tokens = PROMPT[: blocks * block_size]
     router.indexer.apply(
         worker,
         BlockStored(
-            block_hashes=hash_blocks(tokens, BLOCK),
+            block_hashes=hash_blocks(tokens, block_size),
             parent_block_hash=None,
             token_ids=tokens,
-            block_size=BLOCK,
+            block_size=block_size,
             lora_id=None,
         ),
     )
@@ -56,16 +57,21 @@ def count_hashes(monkeypatch) -> list:
     return hashed
 
 
-def plan(decode_blocks: int, monkeypatch) -> tuple[str | None, str, int, float]:
+def plan(
+    decode_blocks: int, monkeypatch, decode_block: int = BLOCK
+) -> tuple[str | None, str, int, float]:
     """(the prefill worker or None, why, prompt hashes computed by either router, hashes the
-    decode router's hash-time metric counted) with the first `decode_blocks` blocks cached
-    on a decode worker and 40 on prefill worker p1."""
+    decode router's hash-time metric counted) with the first `decode_blocks` blocks (of
+    `decode_block` tokens, the decode pool's size) cached on decode worker d0 and 40 on
+    prefill worker p1."""
     registry = CollectorRegistry()
     decode = KvRouter(None, metrics=RouterMetrics(registry), seed=0, replica_sync=False)
     if decode_blocks:
-        cache(decode, "d0", decode_blocks)
+        cache(decode, "d0", decode_blocks, decode_block)
+    card = msgspec.structs.replace(CARD, kv_block_size=decode_block)
+    pool = [InstanceRecord(instance_id="d0", endpoint="e", address="d0", card=card)]
     client = DisaggClient(
-        SimpleNamespace(policy=decode),
+        SimpleNamespace(policy=decode, endpoint=SimpleNamespace(instances=lambda: pool)),
         None,
         "kv",
         max_local_prefill_length=20 * BLOCK,
@@ -90,6 +96,14 @@ def test_a_prompt_cached_on_a_decode_worker_is_prefilled_there(monkeypatch):
 def test_a_long_prefill_goes_where_the_prefill_pool_caches_it(monkeypatch):
     assert plan(10, monkeypatch) == ("p1", "remote", 1, 1)  # 54 left; p1 holds 40
     assert plan(0, monkeypatch) == ("p1", "remote", 1, 1)
+
+
+def test_each_pool_is_hashed_at_its_own_block_size(monkeypatch):
+    """Decode blocks of 32 tokens, prefill blocks of 16: the decode pool's cached prefix is
+    found at its size (25 of 32 blocks cached: 224 tokens left, under 320), and a long
+    prefill is placed by the prefill router's own hash, at 16."""
+    assert plan(25, monkeypatch, decode_block=32) == (None, "short", 1, 1)
+    assert plan(5, monkeypatch, decode_block=32) == ("p1", "remote", 2, 1)
 
 
 def routed_once(monkeypatch, decode_blocks: int, prefill_generate=None) -> list:
