@@ -61,7 +61,7 @@ from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import Policy
 from shoal.router.prompt_hashes import block_size_of, prompt_hashes
 from shoal.router.replica_sync import PeerLoads, ReplicaSync
-from shoal.router.selector import KvRouterConfig, free_workers, select_worker
+from shoal.router.selector import KvRouterConfig, free_workers, select_worker, spread_picks
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
 from shoal.runtime.event_plane import EventSubscriber
@@ -266,12 +266,22 @@ class KvRouter(Policy):
         overlaps = self.indexer.overlaps(hashes)
         deeper = self._lower_tier_overlaps(hashes, overlaps)
         prompt_blocks = math.ceil(prompt_tokens / block_size)
-        worker, chance = select_worker(
-            free, prompt_blocks, self._priced(overlaps, deeper), self.load, self.config, self._rng
-        )
+        priced = self._priced(overlaps, deeper)
+        others: list[str] | None = None  # where the peers are guessed to send theirs
+        if owner is None and self._spreads():
+            (worker, others), chance = self._spread_pick(free, prompt_blocks, priced), 1.0
+        else:
+            worker, chance = select_worker(
+                free, prompt_blocks, priced, self.load, self.config, self._rng
+            )
+
+        def load_on(w: str) -> tuple[int, int]:
+            """(blocks, prompt tokens to prefill) the request adds on w."""
+            cached = overlaps.get(w, 0)
+            return prompt_blocks - cached, prompt_tokens - deeper.get(w, cached) * block_size
+
+        blocks, new_tokens = load_on(worker)
         cached = overlaps.get(worker, 0)
-        new_tokens = prompt_tokens - deeper.get(worker, cached) * block_size
-        blocks = prompt_blocks - cached
         if owner is not None:
             self.peers.apply(
                 LoadDelta(owner, LoadDelta.ROUTED, request_id, worker, blocks, new_tokens)
@@ -283,7 +293,10 @@ class KvRouter(Policy):
                     self.replica_id, LoadDelta.ROUTED, request_id, worker, blocks, new_tokens
                 )
                 self.share(delta)
-                self._guess_peers(request_id, worker, blocks, new_tokens, chance)
+                if others is not None:
+                    self._guess_slots(request_id, [(w, *load_on(w)) for w in others])
+                else:
+                    self._guess_peers(request_id, worker, blocks, new_tokens, chance)
         if isinstance(self.indexer, ApproxIndexer):
             self.indexer.record(worker, hashes.tolist(), prompt_blocks)
         m = self.metrics
@@ -310,6 +323,41 @@ class KvRouter(Policy):
         self.load.add(key, worker, peers * blocks, peers * new_tokens, count=peers)
         now = self.clock()
         self._guesses.append((now, now + self.sync_window, key))
+
+    def _spreads(self) -> bool:
+        """Whether this replica's decisions are spread among its peers' (spread_picks)."""
+        return (
+            self.share is not None
+            and self.sync_window > 0
+            and self.config.temperature == 0
+            and self.peers.num_peers() > 0
+        )
+
+    def _spread_pick(
+        self, free: list[str], prompt_blocks: int, priced: dict[str, float]
+    ) -> tuple[str, list[str]]:
+        """This replica's share of what all replicas, each deciding now on one picture for a
+        request like this, would do: spread_picks for them all (among the workers caching as
+        much of it as the cheapest one does, so a cached prefix is never left for a spread),
+        this replica taking the pick at its place among them; and the picks left to peers."""
+        replicas = sorted([self.replica_id, *self.peers.peer_ids()])  # the same order on all
+        ordered = sorted(free)
+        config = self.config
+        (best,) = spread_picks(ordered, prompt_blocks, priced, self.load, config, 1)
+        ordered = [w for w in ordered if priced.get(w, 0) >= priced.get(best, 0)]
+        picks = spread_picks(ordered, prompt_blocks, priced, self.load, config, len(replicas))
+        mine = replicas.index(self.replica_id)
+        return picks[mine], picks[:mine] + picks[mine + 1 :]
+
+    def _guess_slots(self, request_id: str, slots: list[tuple[str, int, int]]) -> None:
+        """Count, until the peers are heard from (or sync_window), one request on each of
+        the workers the peers are guessed to pick for requests like this one meanwhile:
+        (worker, blocks, prompt tokens to prefill) each."""
+        now = self.clock()
+        for j, (worker, blocks, new_tokens) in enumerate(slots):
+            key = ("guess", request_id, j)
+            self.load.add(key, worker, blocks, new_tokens)
+            self._guesses.append((now, now + self.sync_window, key))
 
     def _expire_guesses(self) -> None:
         """Drop the guesses made before every peer was last heard from, and those older than

@@ -84,6 +84,10 @@ class PeerLoads:
         """Peers heard from and not forgotten since."""
         return len(self._requests)
 
+    def peer_ids(self) -> list[str]:
+        """The peers counted in num_peers."""
+        return list(self._requests)
+
     def all_heard_since(self) -> float:
         """The latest time by which every peer counted in num_peers has been heard from
         (-inf with none)."""

@@ -68,6 +68,7 @@ has the full tables). On the Mooncake replay at 30x, where round-robin's p50 is 
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -168,6 +169,33 @@ def select_worker(
     weights = softmax_weights(priced, config.temperature)
     i = rng.choices(range(len(workers)), weights=weights)[0]
     return workers[i], weights[i] / sum(weights)
+
+
+def spread_picks(
+    workers: Sequence[str],
+    prompt_blocks: int,
+    overlaps: Mapping[str, int],
+    load: LoadTracker,
+    config: KvRouterConfig,
+    n: int,
+) -> list[str]:
+    """Where n copies of the request would go, placed one after the other with each copy's
+    load counted before the next (the cheapest each time, ties to the earlier worker in
+    `workers`): what one router does with n such requests arriving together, and so what n
+    router replicas deciding at once should divide among them. A copy adds its blocks to
+    prefill and to memory and one request to the queue: new * (scale * (1 + weight) + 1)
+    to the cost of the next copy there (a worker caching the whole prompt takes every copy).
+    O(len(workers) + n log len(workers))."""
+    priced = costs(workers, prompt_blocks, overlaps, load, config)
+    step = config.prefill_load_scale * (1 + config.queue_weight) + 1
+    heap = [(c, i) for i, c in enumerate(priced)]
+    heapq.heapify(heap)
+    picks = []
+    for _ in range(n):
+        c, i = heapq.heappop(heap)
+        picks.append(workers[i])
+        heapq.heappush(heap, (c + (prompt_blocks - overlaps.get(workers[i], 0)) * step, i))
+    return picks
 
 
 def softmax_weights(costs: Sequence[float], temperature: float) -> list[float]:

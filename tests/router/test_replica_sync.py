@@ -19,6 +19,7 @@ from shoal.protocol import (
 from shoal.router.kv_router import KvRouter
 from shoal.router.load import LoadTracker
 from shoal.router.replica_sync import PeerLoads
+from shoal.router.selector import KvRouterConfig
 from shoal.runtime import DistributedRuntime
 from shoal.runtime.discovery import MemoryDiscovery, MemoryRegistry
 
@@ -171,10 +172,12 @@ class Clock:
         return self.now
 
 
-def guessing_router(peers: int, sync_window: float = 0.002) -> tuple[KvRouter, list, Clock]:
+def guessing_router(
+    peers: int, sync_window: float = 0.002, config: KvRouterConfig | None = None
+) -> tuple[KvRouter, list, Clock]:
     """A router (no sockets) that has heard from `peers` other replicas, sharing into a list,
     on a clock the test moves."""
-    router = KvRouter(None, replica_sync=False, seed=0, sync_window=sync_window)
+    router = KvRouter(None, config, replica_sync=False, seed=0, sync_window=sync_window)
     router.clock = clock = Clock()
     clock.now = -1.0  # the peers were heard from a second before the test's decisions
     sent: list[LoadDelta] = []
@@ -266,10 +269,41 @@ def test_a_guess_lapses_once_every_peer_is_heard_from_since():
     assert router.load.decode_blocks("w1") == 1  # peer0's request, counted for real
 
 
+def test_replicas_deciding_at_once_spread_a_burst_as_one_router_would():
+    """Four replicas with one picture (four idle workers, each other heard from) each route
+    a request before hearing of the others': each takes the pick of its place among them,
+    so the four land on four workers, and each guesses the other three on the rest."""
+    routers = [KvRouter(None, replica_sync=False, seed=i, sync_window=10.0) for i in range(WORKERS)]
+    for router in routers:
+        router.share = lambda delta: None
+        for peer in routers:
+            if peer is not router:
+                router.peers.apply(LoadDelta(peer.replica_id, ROUTED, "probe", "w1", 0, 0))
+                router.peers.apply(LoadDelta(peer.replica_id, FINISHED, "probe"))
+    instances = [
+        InstanceRecord(instance_id=f"w{i}", endpoint=GENERATE_ENDPOINT, address=f"a{i}", card=CARD)
+        for i in range(WORKERS)
+    ]
+    prompt = list(range(4, 4 + 20 * BLOCK))
+    picks = [
+        router.select(
+            instances,
+            EngineRequest(
+                request_id=f"b{i}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=8)
+            ),
+        ).instance_id
+        for i, router in enumerate(routers)
+    ]
+    assert sorted(picks) == [f"w{i}" for i in range(WORKERS)]
+    for router in routers:  # its own request and its guesses: one request on each worker
+        assert [router.load.queued(f"w{i}") for i in range(WORKERS)] == [1] * WORKERS
+
+
 def test_a_tied_pick_is_guessed_for_each_peer_with_its_chance():
-    """Four idle workers tie: a peer with the same picture picks the same one a quarter of
-    the time, so 3 peers add 0.75 requests a decision on average, not 3."""
-    router, _, clock = guessing_router(peers=3)
+    """Above temperature 0 (picks drawn, not spread): four idle workers tie, and a peer with
+    the same picture picks the same one a quarter of the time, so 3 peers add 0.75 requests
+    a decision on average, not 3."""
+    router, _, clock = guessing_router(peers=3, config=KvRouterConfig(temperature=0.1))
     instances = [
         InstanceRecord(instance_id=f"w{i}", endpoint=GENERATE_ENDPOINT, address=f"a{i}", card=CARD)
         for i in range(WORKERS)

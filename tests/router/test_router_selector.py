@@ -18,6 +18,7 @@ from shoal.router.selector import (
     free_workers,
     select_worker,
     softmax_weights,
+    spread_picks,
 )
 
 BLOCK = 16
@@ -256,3 +257,33 @@ def test_the_pick_comes_with_the_chance_its_rule_gave_it():
     for _ in range(50):
         worker, chance = select_worker(workers, 4, {}, one, config, rng)
         assert chance == pytest.approx(weights[worker] / sum(weights.values()))
+
+
+def test_spread_picks_place_each_copy_where_the_one_before_left_it_cheapest():
+    """spread_picks against its definition: copies placed one at a time, each on the
+    cheapest worker (ties to the earlier) with every copy before it counted in the load."""
+    rng = random.Random(4)
+    config = KvRouterConfig()
+    for _ in range(50):
+        workers = [f"w{i}" for i in range(rng.randint(1, 9))]
+        load = loaded(
+            decode={w: rng.randrange(50) for w in workers},
+            queued={w: [rng.randrange(1, 30) for _ in range(rng.randrange(3))] for w in workers},
+        )
+        prompt = rng.randint(1, 40)
+        overlaps = {w: rng.randint(0, prompt) for w in workers if rng.random() < 0.5}
+        n = rng.randint(1, 6)
+        expected = []
+        for k in range(n):
+            priced = costs(workers, prompt, overlaps, load, config)
+            best = priced.index(min(priced))
+            expected.append(workers[best])
+            new = prompt - overlaps.get(workers[best], 0)
+            load.add(f"copy{k}", workers[best], blocks=new, prefill_tokens=new * BLOCK)
+        for k in range(n):
+            load.finish(f"copy{k}")
+        assert spread_picks(workers, prompt, overlaps, load, config, n) == expected
+    # idle workers: one copy each, in order; a worker caching the whole prompt takes them all
+    idle = LoadTracker(block_size=BLOCK)
+    assert spread_picks(["a", "b", "c"], 8, {}, idle, config, 3) == ["a", "b", "c"]
+    assert spread_picks(["a", "b", "c"], 8, {"b": 8}, idle, config, 3) == ["b", "b", "b"]
