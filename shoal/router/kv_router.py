@@ -22,9 +22,8 @@ while to reach the others, and requests that reach several frontends at once are
 before any of them hears of the rest: each replica would send its share of a burst to the
 same cheapest worker. So for `sync_window` seconds after it routes a request, a replica also
 counts, on the same worker, one request like it for each peer it follows: its guess at what
-the peers decided meanwhile. The guess lapses once every peer has been heard from since the
-decision (what they routed meanwhile is counted for real by then), or when the window ends
-(a peer that stays silent routed nothing).
+the peers decided meanwhile, which lapses when the window ends (by then the peers' own
+deltas have come, in the usual case).
 """
 
 from __future__ import annotations
@@ -132,8 +131,7 @@ class KvRouter(Policy):
         )
         self.load = LoadTracker(block_size=16)  # the real size comes with the first worker
         self.replica_id = secrets.token_hex(8)
-        # other replicas' requests, counted in self.load; heard from on this router's clock
-        self.peers = PeerLoads(self.load, clock=lambda: self.clock())
+        self.peers = PeerLoads(self.load)  # other replicas' requests, counted in self.load
         # Where this replica's LoadDeltas go: its ReplicaSync once started (None: unshared).
         self.share: Callable[[LoadDelta], None] | None = None
         self._sync = (
@@ -152,9 +150,8 @@ class KvRouter(Policy):
         self._rng = random.Random(seed)
         self.sync_window = sync_window
         self.clock: Callable[[], float] = time.monotonic  # what sync_window is measured on
-        # this replica's guesses at its peers' unheard decisions, in order:
-        # (made at, expiry, load key)
-        self._guesses: deque[tuple[float, float, tuple[str, str]]] = deque()
+        # this replica's guesses at its peers' unheard decisions: (expiry, load key), in order
+        self._guesses: deque[tuple[float, tuple]] = deque()
         self._feeds: dict[str, _Feed] = {}
         self._tasks: list[asyncio.Task] = []
         self._load_sub: EventSubscriber[LoadReport] | None = None
@@ -321,8 +318,7 @@ class KvRouter(Policy):
                 return
         key = ("guess", request_id)
         self.load.add(key, worker, peers * blocks, peers * new_tokens, count=peers)
-        now = self.clock()
-        self._guesses.append((now, now + self.sync_window, key))
+        self._guesses.append((self.clock() + self.sync_window, key))
 
     def _spreads(self) -> bool:
         """Whether this replica's decisions are spread among its peers' (spread_picks)."""
@@ -350,26 +346,24 @@ class KvRouter(Policy):
         return picks[mine], picks[:mine] + picks[mine + 1 :]
 
     def _guess_slots(self, request_id: str, slots: list[tuple[str, int, int]]) -> None:
-        """Count, until the peers are heard from (or sync_window), one request on each of
-        the workers the peers are guessed to pick for requests like this one meanwhile:
-        (worker, blocks, prompt tokens to prefill) each."""
-        now = self.clock()
+        """Count, for sync_window, one request on each of the workers the peers are guessed
+        to pick for requests like this one meanwhile: (worker, blocks, prompt tokens to
+        prefill) each."""
+        expiry = self.clock() + self.sync_window
         for j, (worker, blocks, new_tokens) in enumerate(slots):
             key = ("guess", request_id, j)
             self.load.add(key, worker, blocks, new_tokens)
-            self._guesses.append((now, now + self.sync_window, key))
+            self._guesses.append((expiry, key))
 
     def _expire_guesses(self) -> None:
-        """Drop the guesses made before every peer was last heard from, and those older than
-        sync_window (O(1) per guess, O(peers) a call): before each decision, first token,
-        end and load report, so none outlives its lapse by more than the gap to the next of
-        those."""
+        """Drop the guesses older than sync_window (O(1) per guess): before each decision,
+        first token, end and load report, so none outlives the window by more than the
+        gap to the next of those."""
         guesses = self._guesses
         if guesses:
             now = self.clock()
-            heard = self.peers.all_heard_since()
-            while guesses and (guesses[0][0] < heard or guesses[0][1] <= now):
-                self.load.finish(guesses.popleft()[2])
+            while guesses and guesses[0][0] <= now:
+                self.load.finish(guesses.popleft()[1])
 
     def _lower_tier_overlaps(self, hashes: np.ndarray, overlaps: dict[str, int]) -> dict[str, int]:
         """Per worker whose lower tiers extend its GPU prefix hit, its prefix in all tiers."""

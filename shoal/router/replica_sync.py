@@ -22,9 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import time
-from collections.abc import Callable
 
 from shoal.protocol import ROUTER_LOAD_TOPIC, InstanceRecord, LoadDelta
 from shoal.router.load import LoadTracker
@@ -38,13 +35,10 @@ log = logging.getLogger(__name__)
 class PeerLoads:
     """Folds other replicas' LoadDeltas into one LoadTracker."""
 
-    def __init__(self, load: LoadTracker, clock: Callable[[], float] = time.monotonic) -> None:
-        """clock: what the time each peer was last heard from is read on."""
+    def __init__(self, load: LoadTracker) -> None:
         self.load = load
-        self.clock = clock
         self._requests: dict[str, set[str]] = {}  # peer -> its requests counted in `load`
         self._seq: dict[str, int] = {}  # peer -> the last sequence number seen from it
-        self._heard: dict[str, float] = {}  # peer -> when its last delta came
 
     def apply(self, delta: LoadDelta, seq: int | None = None) -> None:
         """Count a peer's delta; `seq` (its publisher's number) detects lost deltas."""
@@ -60,7 +54,6 @@ class PeerLoads:
                 log.info("router replica %s: first delta heard is %d: load dropped", peer, seq)
                 self.forget(peer)
             self._seq[peer] = seq
-        self._heard[peer] = self.clock()
         key = (peer, delta.request_id)
         if delta.kind == LoadDelta.ROUTED:
             self.load.add(key, delta.worker_id, delta.blocks, delta.prefill_tokens)
@@ -78,7 +71,6 @@ class PeerLoads:
         for request_id in self._requests.pop(peer, ()):
             self.load.finish((peer, request_id))
         self._seq.pop(peer, None)
-        self._heard.pop(peer, None)
 
     def num_peers(self) -> int:
         """Peers heard from and not forgotten since."""
@@ -87,11 +79,6 @@ class PeerLoads:
     def peer_ids(self) -> list[str]:
         """The peers counted in num_peers."""
         return list(self._requests)
-
-    def all_heard_since(self) -> float:
-        """The latest time by which every peer counted in num_peers has been heard from
-        (-inf with none)."""
-        return min(self._heard.values(), default=-math.inf)
 
     def last_seq(self, peer: str) -> int | None:
         """The sequence number of the last delta heard from `peer` (None: none yet)."""

@@ -178,14 +178,12 @@ def guessing_router(
     """A router (no sockets) that has heard from `peers` other replicas, sharing into a list,
     on a clock the test moves."""
     router = KvRouter(None, config, replica_sync=False, seed=0, sync_window=sync_window)
-    router.clock = clock = Clock()
-    clock.now = -1.0  # the peers were heard from a second before the test's decisions
     sent: list[LoadDelta] = []
     router.share = sent.append
     for p in range(peers):
         router.peers.apply(LoadDelta(f"peer{p}", ROUTED, "probe", "w1", 0, 0))
         router.peers.apply(LoadDelta(f"peer{p}", FINISHED, "probe"))
-    clock.now = 0.0
+    router.clock = clock = Clock()
     return router, sent, clock
 
 
@@ -239,34 +237,6 @@ def test_a_replica_counts_its_peers_unheard_decisions_for_the_sync_window():
     requests = cached_prefix_requests(1, alone, "w0")
     alone.select(instances, requests[0])
     assert alone.load.queued("w0") == 1
-
-
-def test_a_guess_lapses_once_every_peer_is_heard_from_since():
-    """Before its window ends, a decision's guess lapses when each peer has sent a delta
-    since (its decisions meanwhile are counted for real), not while one is still unheard."""
-    router, _, clock = guessing_router(peers=2, sync_window=10.0)
-    instances = [
-        InstanceRecord(instance_id=f"w{i}", endpoint=GENERATE_ENDPOINT, address=f"a{i}", card=CARD)
-        for i in range(WORKERS)
-    ]
-    requests = cached_prefix_requests(3, router, "w0")
-    router.select(instances, requests[0])
-    assert router.load.queued("w0") == 3  # its own, and a guess for each of 2 peers
-    clock.now = 0.001
-    router.peers.apply(LoadDelta("peer0", ROUTED, "p0", "w1", 1, 16))
-    router.select(instances, requests[1])  # peer1 unheard since g0: g0's guess stays
-    assert router.load.queued("w0") == 6
-    clock.now = 0.002
-    router.peers.apply(LoadDelta("peer1", FINISHED, "probe"))
-    router.finished("g2")  # not routed: only the guesses are checked
-    # every peer heard from after g0 (its guess lapses), peer0 not after g1 (it stays)
-    assert router.load.queued("w0") == 4
-    clock.now = 0.003
-    router.peers.apply(LoadDelta("peer0", FIRST_TOKEN, "p0"))
-    router.finished("g2")
-    # and after g1 too: the guesses are gone, long before their window ends
-    assert router.load.queued("w0") == 2
-    assert router.load.decode_blocks("w1") == 1  # peer0's request, counted for real
 
 
 def test_replicas_deciding_at_once_spread_a_burst_as_one_router_would():
