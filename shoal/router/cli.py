@@ -116,8 +116,9 @@ ROUTER = FlagGroup(
         Flag(
             "router-sync-window-ms",
             "kv mode with replica sync: for this many ms after routing a request, also count "
-            "one request like it on the same worker for each other frontend, standing for "
-            "what they routed meanwhile and have not announced yet (0: off)",
+            "one request like it for each other frontend, standing for what they routed "
+            "meanwhile and have not announced yet; at temperature 0 the frontends also spread "
+            "what they route at once, each taking its share of one router's picks (0: off)",
             float,
             SYNC_WINDOW * 1e3,
         ),

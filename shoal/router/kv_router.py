@@ -23,7 +23,10 @@ before any of them hears of the rest: each replica would send its share of a bur
 same cheapest worker. So for `sync_window` seconds after it routes a request, a replica also
 counts, on the same worker, one request like it for each peer it follows: its guess at what
 the peers decided meanwhile, which lapses when the window ends (by then the peers' own
-deltas have come, in the usual case).
+deltas have come, in the usual case). At temperature 0 the replicas also spread what they
+decide at once: each takes, by its place among the replicas, one of the picks one router
+would make for a copy of the request per replica (selector.spread_picks), and guesses the
+others' picks instead of its own.
 """
 
 from __future__ import annotations
