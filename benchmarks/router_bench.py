@@ -7,7 +7,8 @@ throughput and the prefix-cache hit rate the workers report (usage.cached_tokens
 --repeats N it runs each mode N times and reports the median and the min..max spread. It
 prints a table with each mode's ratio to round-robin, appends one record per run to
 benchmarks/results/router.jsonl (date, commit and dirty flag, machine, workload, trace
-rows, mode, repeat, figures) and draws benchmarks/results/router.png from the medians.
+rows, mode, repeat, figures), and with --plot PATH draws the medians there (the figure on
+docs/routing.md: --plot benchmarks/results/router.png).
 
 The KV router's defaults (overlap credit, queue weight) were tuned with router_sim.py on
 the Mooncake trace's rows 0:1500 at 30x: report on other rows (--rows) and loads
@@ -411,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "router_bench")
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
+    p.add_argument("--plot", type=Path, metavar="PATH", help="draw the medians in this PNG")
     return p
 
 
@@ -600,11 +602,10 @@ def main() -> int:
         with (RESULTS / "router.jsonl").open("a") as f:
             for run in runs:
                 f.write(json.dumps(run) + "\n")
-        png = RESULTS / (
-            "router.png" if args.load_scale == 1 else f"router-x{args.load_scale:g}.png"
-        )
-        plot(rows, png)
-        print(f"recorded in {RESULTS / 'router.jsonl'} and {png}")
+        print(f"recorded in {RESULTS / 'router.jsonl'}")
+    if args.plot is not None:
+        plot(rows, args.plot)
+        print(f"drawn in {args.plot}")
     return 0
 
 

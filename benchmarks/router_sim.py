@@ -586,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop when the highest load met and the lowest missed are within this fraction",
     )
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
+    p.add_argument(
+        "--plot", type=Path, metavar="PATH", help="draw TTFT against load in this PNG (a sweep)"
+    )
     return p
 
 
@@ -714,12 +717,9 @@ def main() -> int:
                 flush=True,
             )
     record(rows, args.no_record)
-    if not args.no_record and len(speeds) > 1:  # a plot of one load would replace the sweep's
-        png = RESULTS / (
-            "router_sim.png" if args.workload == "mooncake" else f"router_sim-{args.workload}.png"
-        )
-        plot(rows, png)
-        print(f"drawn in {png}")
+    if args.plot is not None:
+        plot(rows, args.plot)
+        print(f"drawn in {args.plot}")
     return 0
 
 
