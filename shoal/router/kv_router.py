@@ -39,7 +39,7 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import numpy as np
 
@@ -154,7 +154,7 @@ class KvRouter(Policy):
         self.sync_window = sync_window
         self.clock: Callable[[], float] = time.monotonic  # what sync_window is measured on
         # this replica's guesses at its peers' unheard decisions: (expiry, load key), in order
-        self._guesses: deque[tuple[float, tuple]] = deque()
+        self._guesses: deque[tuple[float, Hashable]] = deque()
         self._feeds: dict[str, _Feed] = {}
         self._tasks: list[asyncio.Task] = []
         self._load_sub: EventSubscriber[LoadReport] | None = None
@@ -336,15 +336,12 @@ class KvRouter(Policy):
         self, free: list[str], prompt_blocks: int, priced: dict[str, float]
     ) -> tuple[str, list[str]]:
         """This replica's share of what all replicas, each deciding now on one picture for a
-        request like this, would do: spread_picks for them all (among the workers caching as
-        much of it as the cheapest one does, so a cached prefix is never left for a spread),
-        this replica taking the pick at its place among them; and the picks left to peers."""
+        request like this, would do (spread_picks for them all): the pick at its place among
+        them; and the picks left to its peers."""
         replicas = sorted([self.replica_id, *self.peers.peer_ids()])  # the same order on all
-        ordered = sorted(free)
-        config = self.config
-        (best,) = spread_picks(ordered, prompt_blocks, priced, self.load, config, 1)
-        ordered = [w for w in ordered if priced.get(w, 0) >= priced.get(best, 0)]
-        picks = spread_picks(ordered, prompt_blocks, priced, self.load, config, len(replicas))
+        picks = spread_picks(
+            sorted(free), prompt_blocks, priced, self.load, self.config, len(replicas)
+        )
         mine = replicas.index(self.replica_id)
         return picks[mine], picks[:mine] + picks[mine + 1 :]
 

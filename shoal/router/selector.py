@@ -181,14 +181,16 @@ def spread_picks(
 ) -> list[str]:
     """Where n copies of the request would go, placed one after the other with each copy's
     load counted before the next (the cheapest each time, ties to the earlier worker in
-    `workers`): what one router does with n such requests arriving together, and so what n
-    router replicas deciding at once should divide among them. A copy adds its blocks to
-    prefill and to memory and one request to the queue: new * (scale * (1 + weight) + 1)
-    to the cost of the next copy there (a worker caching the whole prompt takes every copy).
-    O(len(workers) + n log len(workers))."""
+    `workers`), among the workers caching as much of the prompt as the cheapest one does
+    (a cached prefix is never left for a spread): what one router does with n such
+    requests arriving together, and so what n router replicas deciding at once should
+    divide among them. A copy adds its blocks to prefill and to memory and one request to
+    the queue: new * (scale * (1 + weight) + 1) to the cost of the next copy there (a
+    worker caching the whole prompt takes every copy). O(len(workers) + n log len(workers))."""
     priced = costs(workers, prompt_blocks, overlaps, load, config)
+    hit = overlaps.get(workers[priced.index(min(priced))], 0)
     step = config.prefill_load_scale * (1 + config.queue_weight) + 1
-    heap = [(c, i) for i, c in enumerate(priced)]
+    heap = [(c, i) for i, c in enumerate(priced) if overlaps.get(workers[i], 0) >= hit]
     heapq.heapify(heap)
     picks = []
     for _ in range(n):

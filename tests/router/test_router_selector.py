@@ -261,7 +261,8 @@ def test_the_pick_comes_with_the_chance_its_rule_gave_it():
 
 def test_spread_picks_place_each_copy_where_the_one_before_left_it_cheapest():
     """spread_picks against its definition: copies placed one at a time, each on the
-    cheapest worker (ties to the earlier) with every copy before it counted in the load."""
+    cheapest worker (ties to the earlier) with every copy before it counted in the load,
+    among the workers caching as much as the first copy's."""
     rng = random.Random(4)
     config = KvRouterConfig()
     for _ in range(50):
@@ -274,12 +275,18 @@ def test_spread_picks_place_each_copy_where_the_one_before_left_it_cheapest():
         overlaps = {w: rng.randint(0, prompt) for w in workers if rng.random() < 0.5}
         n = rng.randint(1, 6)
         expected = []
+        eligible = workers
         for k in range(n):
-            priced = costs(workers, prompt, overlaps, load, config)
+            priced = costs(eligible, prompt, overlaps, load, config)
             best = priced.index(min(priced))
-            expected.append(workers[best])
-            new = prompt - overlaps.get(workers[best], 0)
-            load.add(f"copy{k}", workers[best], blocks=new, prefill_tokens=new * BLOCK)
+            if not k:
+                hit = overlaps.get(eligible[best], 0)
+                eligible = [w for w in workers if overlaps.get(w, 0) >= hit]
+                priced = costs(eligible, prompt, overlaps, load, config)
+                best = priced.index(min(priced))
+            expected.append(eligible[best])
+            new = prompt - overlaps.get(eligible[best], 0)
+            load.add(f"copy{k}", eligible[best], blocks=new, prefill_tokens=new * BLOCK)
         for k in range(n):
             load.finish(f"copy{k}")
         assert spread_picks(workers, prompt, overlaps, load, config, n) == expected
@@ -287,3 +294,5 @@ def test_spread_picks_place_each_copy_where_the_one_before_left_it_cheapest():
     idle = LoadTracker(block_size=BLOCK)
     assert spread_picks(["a", "b", "c"], 8, {}, idle, config, 3) == ["a", "b", "c"]
     assert spread_picks(["a", "b", "c"], 8, {"b": 8}, idle, config, 3) == ["b", "b", "b"]
+    # two workers caching half: the copies stay on them, never on the third
+    assert spread_picks(["a", "b", "c"], 8, {"a": 4, "c": 4}, idle, config, 3) == ["a", "c", "a"]
