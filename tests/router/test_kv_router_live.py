@@ -209,44 +209,56 @@ def test_busy_workers_are_skipped_then_refused(workers):
 
 
 def test_a_gap_in_event_numbers_triggers_a_resync(workers):
+    """On each worker (one publishing shoal's events, the other vLLM's): a lost batch shows
+    as a gap at the next one, and the dump the router fetches puts the lost blocks back."""
     folder, _ = workers
 
     async def main():
         client = await open_client(folder)
         router: KvRouter = client.policy
-        chosen = routed_to(client)
+        select = client.policy.select
         dropped = []
         on_batch = router._on_batch
 
-        def lossy(feed, seq, batch):  # lose the first batch that arrives from now on
+        def lossy(feed, seq, batch):  # lose the first batch that arrives while armed
             if not dropped:
                 dropped.append(seq)
                 return
             on_batch(feed, seq, batch)
 
         router._on_batch = lossy
+        dumped = set()
         try:
-            await generate(client, "lost", prompt_of(4, 5 * BLOCK))
-            worker = chosen[0]
-            await wait_for(lambda: dropped)
-            assert router.indexer.overlaps(route_hashes(prompt_of(4, 5 * BLOCK), BLOCK)) == {}
-            # The next batch from that worker shows the gap; the router fetches a dump.
-            before = router.metrics.resyncs.labels("gap")._value.get()
-            client.policy.select = lambda instances, request, prepared=None: next(
-                i for i in instances if i.instance_id == worker
-            )
-            await generate(client, "after", prompt_of(5, 5 * BLOCK))
-            await wait_for(lambda: router.metrics.resyncs.labels("gap")._value.get() > before)
-            feed = router._feeds[worker]
-            await wait_for(lambda: feed.resync is None)
-            truth = await router._fetch_dump(feed.record, "test")
-            rebuilt = KvIndexer()  # the dump's blocks, re-hashed as the router does
-            rebuilt.load_dump(worker, truth.events)
-            assert rebuilt.num_blocks(worker) >= 10
-            await wait_for(lambda: router.indexer.blocks(worker) >= rebuilt.blocks(worker))
-            lost = route_hashes(prompt_of(4, 5 * BLOCK), BLOCK)
-            assert router.indexer.overlaps(lost) == {worker: 5}
+            for n, record in enumerate(await client.endpoint.wait_for_instances(2)):
+                worker = record.instance_id
+                client.policy.select = lambda instances, request, prepared=None, w=worker: next(
+                    i for i in instances if i.instance_id == w
+                )
+                lost_prompt = prompt_of(60 + n, 5 * BLOCK)
+                dropped.clear()
+                await generate(client, f"lost-{n}", lost_prompt)
+                await wait_for(lambda: dropped)
+                lost = route_hashes(lost_prompt, BLOCK)
+                assert router.indexer.overlaps(lost) == {}
+                # The next batch from that worker shows the gap; the router fetches a dump.
+                before = router.metrics.resyncs.labels("gap")._value.get()
+                await generate(client, f"after-{n}", prompt_of(70 + n, 5 * BLOCK))
+                await wait_for(
+                    lambda b=before: router.metrics.resyncs.labels("gap")._value.get() > b
+                )
+                feed = router._feeds[worker]
+                await wait_for(lambda f=feed: f.resync is None)
+                truth = await router._fetch_dump(feed.record, "test")
+                dumped.add(frozenset(type(e).__name__ for e in truth.events))
+                rebuilt = KvIndexer()  # the dump's blocks, as the router applies them
+                rebuilt.load_dump(worker, truth.events)
+                assert rebuilt.num_blocks(worker) >= 10
+                await wait_for(lambda w=worker, r=rebuilt: router.indexer.blocks(w) >= r.blocks(w))
+                assert router.indexer.overlaps(lost) == {worker: 5}
+            # a dump in each format: router hashes, and BlockStored events with tokens
+            assert dumped == {frozenset({"RouteHashesStored"}), frozenset({"BlockStored"})}
         finally:
+            client.policy.select = select
             await close_client(client)
 
     run(main())
