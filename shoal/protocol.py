@@ -418,6 +418,9 @@ class RouteHashesRemoved(KVCacheEvent):
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | RouteHashesStored | RouteHashesRemoved
+# What a worker publishes (--kv-events-format): shoal: RouteHashesStored/Removed and
+# AllBlocksCleared; vllm: BlockStored/Removed and AllBlocksCleared, as vLLM publishes them.
+KV_EVENTS_FORMATS = ("shoal", "vllm")
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, gc=False):

@@ -10,6 +10,7 @@ import sys
 from shoal.engine.cli import add_engine_args, engine_options
 from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.mocker.cli import MOCKER, mocker_options
+from shoal.protocol import KV_EVENTS_FORMATS
 from shoal.runtime import event_loop
 from shoal.runtime.cli import LOGGING, RUNTIME, runtime_options, setup_logging
 from shoal.runtime.net import advertise_address
@@ -111,7 +112,7 @@ KV_EVENTS = FlagGroup(
             "vllm (vLLM's BlockStored and BlockRemoved with token ids, for any router that "
             "reads vLLM's events)",
             default="shoal",
-            choices=("shoal", "vllm"),
+            choices=KV_EVENTS_FORMATS,
         ),
     ),
     about="What a worker tells routers of its KV cache (`shoal serve` passes it to its "

@@ -25,6 +25,7 @@ from itertools import count, repeat
 from shoal.engine.llm_engine import LLMEngine
 from shoal.protocol import (
     GPU_MEDIA,
+    KV_EVENTS_FORMATS,
     KV_EVENTS_TOPIC,
     LOAD_TOPIC,
     AllBlocksCleared,
@@ -38,8 +39,6 @@ from shoal.protocol import (
 )
 from shoal.route_events import EventTranslator, as_route_events, held_events
 from shoal.runtime.event_plane import EventPublisher
-
-KV_EVENTS_FORMATS = ("shoal", "vllm")
 
 
 class CachedBlocks:
