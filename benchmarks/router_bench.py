@@ -568,17 +568,16 @@ def main() -> int:
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
         trace_args, trace_fields = [], {}
+        speedup = args.speedup * workload.mocker_speedup
         if workload.trace:
             sliced = args.out / f"trace-rows-{rows_range[0]}-{rows_range[1]}.jsonl"
             count = write_rows(args.trace, rows_range, sliced)
             trace_args = ["--trace", str(sliced), "--num-requests", str(count)]
             trace_fields = {"trace": args.trace.name, "rows": args.rows, "num_requests": count}
             if args.arrival_jitter_ms:
-                wall_ms = args.arrival_jitter_ms / (args.speedup * workload.mocker_speedup)
+                wall_ms = args.arrival_jitter_ms / speedup
                 trace_args += ["--arrival-jitter-ms", f"{wall_ms:g}"]
                 trace_fields["arrival_jitter_ms"] = args.arrival_jitter_ms
-        speedup = args.speedup * workload.mocker_speedup
-
         run_at = functools.partial(live_runs, args, model, stamp, name, trace_args, trace_fields)
         for mode in args.modes.split(","):
             if args.goodput:
@@ -591,19 +590,14 @@ def main() -> int:
                 rows.append(median_row(mode_runs))
     if args.goodput:
         print_goodput(searches)
-        if not args.no_record:
-            with (RESULTS / "router.jsonl").open("a") as f:
-                for record in runs + searches:
-                    f.write(json.dumps(record) + "\n")
-            print(f"recorded in {RESULTS / 'router.jsonl'}")
-        return 0
-    print_table(rows)
+    else:
+        print_table(rows)
     if not args.no_record:
         with (RESULTS / "router.jsonl").open("a") as f:
-            for run in runs:
-                f.write(json.dumps(run) + "\n")
+            for record in runs + searches:
+                f.write(json.dumps(record) + "\n")
         print(f"recorded in {RESULTS / 'router.jsonl'}")
-    if args.plot is not None:
+    if args.plot is not None and rows:  # a goodput search draws no plot
         plot(rows, args.plot)
         print(f"drawn in {args.plot}")
     return 0

@@ -144,13 +144,15 @@ def rehash_rate(stored: list[tuple[str, list[BlockStored]]]) -> float:
     return len(sample) * per_prefix / (time.perf_counter() - t0)
 
 
+def removal(events: list[BlockStored]) -> BlockRemoved:
+    """The BlockRemoved event evicting every block these events stored."""
+    return BlockRemoved(block_hashes=[h for e in events for h in e.block_hashes])
+
+
 def churn(router: KvRouter, stored: list[tuple[str, list[BlockStored]]]) -> tuple[float, int]:
     """Remove a tenth of the stored prefixes and store them again; (seconds, block ops)."""
     sample = stored[::10]
-    removals = [
-        (worker, BlockRemoved(block_hashes=[h for e in events for h in e.block_hashes]))
-        for worker, events in sample
-    ]
+    removals = [(worker, removal(events)) for worker, events in sample]
     t0 = time.perf_counter()
     for worker, event in removals:
         router.indexer.apply(worker, event)
@@ -179,10 +181,7 @@ def wire_batches(
         return worker, ENCODER.encode(KVEventBatch(ts=0.0, events=events))
 
     build = [encoded(worker, events) for worker, events in stored]
-    churn_batches = [
-        encoded(worker, [BlockRemoved(block_hashes=[h for e in events for h in e.block_hashes])])
-        for worker, events in stored[::10]
-    ]
+    churn_batches = [encoded(worker, [removal(events)]) for worker, events in stored[::10]]
     churn_batches += [encoded(worker, events) for worker, events in stored[::10]]
     return build, churn_batches, translating
 

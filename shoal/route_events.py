@@ -230,14 +230,18 @@ class EventTranslator:
                 if gone:
                     changes.append(Change(False, gone, lower, event.medium))
             elif kind is AllBlocksCleared:
-                self.gpu.clear()
-                self.lower.clear()
+                self.clear()
                 changes.append(CLEARED)
             else:
                 raise TypeError(f"not a vLLM-format KV event: {event!r}")
         if run:
             self._stored(run, changes)
         return changes
+
+    def clear(self) -> None:
+        """Forget every block, in every tier."""
+        self.gpu.clear()
+        self.lower.clear()
 
     def held(self, lower: bool = False) -> list[int]:
         """The router hashes held now in GPU memory (or the lower tiers)."""

@@ -170,11 +170,7 @@ class DisaggClient:
         sp = request.sampling
         if sp.n != 1 or sp.prompt_logprobs is not None or sp.max_tokens == 1:
             return None, "ineligible", None
-        instances = [
-            i
-            for i in self.prefill_endpoint.instances()
-            if i.card is not None and i.card.model_name == model
-        ]
+        instances = _serving(self.prefill_endpoint.instances(), model)
         if not instances:
             return None, "no_prefill_worker", None
         hashes = None  # the prompt's route hashes for the decode pool, if its router keeps any
@@ -182,11 +178,7 @@ class DisaggClient:
         decode = self.workers.policy
         cached = 0
         if isinstance(decode, KvRouter):  # the most leading blocks a decode worker caches
-            pool = [
-                i
-                for i in self.workers.endpoint.instances()
-                if i.card is not None and i.card.model_name == model
-            ]
+            pool = _serving(self.workers.endpoint.instances(), model)
             if pool:
                 hashes = decode.prepare(pool, request)  # timed in its hash metric
                 block_size = pool[0].card.kv_block_size
@@ -275,6 +267,11 @@ async def disaggregated(
         **options,
     )
     return await client.start()
+
+
+def _serving(instances: list[InstanceRecord], model: str) -> list[InstanceRecord]:
+    """The instances whose card says they serve `model`."""
+    return [i for i in instances if i.card is not None and i.card.model_name == model]
 
 
 def _prefill_request(request: EngineRequest) -> EngineRequest:

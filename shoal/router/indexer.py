@@ -201,8 +201,7 @@ class KvIndexer:
         """Forget every block of `worker_id`, keeping the worker known (with no blocks)."""
         translator = self._translators.get(worker_id)
         if translator is not None:
-            translator.gpu.clear()
-            translator.lower.clear()
+            translator.clear()
         self._clear_bits(worker_id)
 
     def _clear_bits(self, worker_id: str) -> None:
@@ -289,7 +288,7 @@ class KvIndexer:
         """The router hashes `worker_id` holds (read-only; a live view where its events are
         translated here, as the router's own predictions are; empty if unknown)."""
         translator = self._translators.get(worker_id)
-        if translator is not None and self.lower is not None:
+        if translator is not None:
             return translator.gpu.count.keys()
         column = self._columns.of.get(worker_id)
         if column is None or worker_id not in self._held:
