@@ -4,7 +4,8 @@ Open addressing with linear probing (Fibonacci hashing picks the home slot), so 
 adding or removing many keys at once costs a few vectorised passes over the keys instead
 of a Python step (and a few cache misses) per key; gathers use np.take, which numpy runs at
 about twice the speed of indexing with an array. Removed keys leave tombstones until the
-next rehash; freed ids are handed out again, so ids stay below the peak number of keys.
+next rehash (a new key takes the first free slot it passes, tombstone or empty); freed ids
+are handed out again, so ids stay below the peak number of keys.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 EMPTY, GONE = -1, -2  # slot states in the id array (a live slot holds an id >= 0)
+_CLAIMED = np.iinfo(np.int32).max  # a slot taken while add() places keys, before its id
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIN_SLOTS = 1 << 12
-_WINDOW = np.arange(8)  # slots probed together (a cache line of keys); 8 bools read as a uint64
+_WINDOW = np.arange(8)  # slots probed together (a cache line of keys)
+_WIDE_WINDOW = np.arange(64)  # slots probed together by the keys still looking after one window
 _ONE_PROBE_FIRST = 256  # keys in a call above which each key's home slot is probed alone first
 _STRIDE = 32  # leading_ids: one key in this many is looked up in the slots
+_U64 = (1 << 64) - 1
 
 
 def _offsets(n: int) -> np.ndarray:
@@ -24,9 +28,16 @@ def _offsets(n: int) -> np.ndarray:
     return np.arange(n) & (_STRIDE - 1)
 
 
-def _grown(array: np.ndarray, size: int) -> np.ndarray:
-    """`array` extended with zeros to `size` elements."""
-    grown = np.zeros(size, array.dtype)
+def _any_per_row(flags: np.ndarray) -> np.ndarray:
+    """Whether each row of a bool matrix (a multiple of 8 wide) has a set flag: its rows
+    read as uint64 words."""
+    words = flags.view(np.uint64)
+    return words[:, 0] != 0 if words.shape[1] == 1 else words.any(axis=1)
+
+
+def _grown(array: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
+    """`array` extended with `fill` to `size` elements."""
+    grown = np.full(size, fill, array.dtype)
     grown[: len(array)] = array
     return grown
 
@@ -37,7 +48,7 @@ class BlockTable:
     def __init__(self) -> None:
         self._reset_slots(_MIN_SLOTS)
         self.key_of = np.zeros(_MIN_SLOTS // 2, np.uint64)  # block id -> its block hash
-        self._live_id = np.zeros(_MIN_SLOTS // 2, bool)  # whether the id names a key now
+        self._slot_of = np.full(_MIN_SLOTS // 2, -1, np.intp)  # block id -> its slot; -1: free
         self._free: list[int] = []  # ids freed, reused first
         self._next = 0  # ids below this have been handed out
         self.live = 0  # keys in the table
@@ -73,29 +84,55 @@ class BlockTable:
             wrong = ids >= self._next
             guess = np.minimum(ids, self._next - 1)
             wrong |= np.take(self.key_of, guess) != keys
-            wrong |= ~np.take(self._live_id, guess)  # a freed id still names its last key
+            wrong |= np.take(self._slot_of, guess) < 0  # a freed id still names its last key
             wrong = np.flatnonzero(wrong)
             if len(wrong):
                 ids[wrong] = self.ids(keys[wrong])
         missing = np.flatnonzero(ids < 0)
         return ids[: missing[0]] if len(missing) else ids
 
+    def leading_ids_short(self, keys: list[int]) -> list[int]:
+        """leading_ids for a few keys, in Python (numpy's cost per call would dominate): each
+        key is first tried at the id after the one before, then looked up in the slots."""
+        key_of, slot_of = memoryview(self.key_of), memoryview(self._slot_of)
+        ids: list[int] = []
+        guess, end = 0, self._next
+        for key in keys:
+            if not (guess < end and key_of[guess] == key and slot_of[guess] >= 0):
+                guess = self._id_of_key(key)
+                if guess < 0:
+                    break
+            ids.append(guess)
+            guess += 1
+        return ids
+
+    def _id_of_key(self, key: int) -> int:
+        """The id of one key, -1 if absent."""
+        ids, keys, mask = memoryview(self._ids), memoryview(self._keys), self._mask
+        slot = ((key * int(_GOLDEN)) & _U64) >> int(self._shift)
+        while (found := ids[slot]) != EMPTY:
+            if found >= 0 and keys[slot] == key:
+                return found
+            slot = (slot + 1) & mask
+        return -1
+
     def add(self, keys: np.ndarray) -> np.ndarray:
-        """Add keys (distinct, none present yet); their new ids."""
-        n = len(keys)
-        if (self._used + n) * 5 > 2 * len(self._keys):
-            self._rehash(self.live + n)
-        ids = self._allocate(n)
-        self.key_of[ids] = keys
-        self._live_id[ids] = True
-        self._place(keys, ids)
-        self.live += n
+        """The id of each key, adding the keys the table lacks (keys may repeat). Keys added
+        together get ids in the order they come, so a sequence's blocks stored together
+        have consecutive ids (see leading_ids)."""
+        if (self._used + len(keys)) * 5 > 2 * len(self._keys):
+            self._rehash(self.live + len(keys))
+        found, open_ = self._probe(keys, open_slots=True)
+        ids = np.take(self._ids, found)
+        absent = np.flatnonzero(found < 0)
+        if len(absent):
+            ids[absent] = self._insert(keys[absent], open_[absent])
         return ids
 
     def remove(self, ids: np.ndarray) -> None:
         """Remove the keys of these live ids (distinct), freeing the ids."""
-        self._ids[self._find(self.key_of[ids])] = GONE
-        self._live_id[ids] = False
+        self._ids[self._slot_of[ids]] = GONE
+        self._slot_of[ids] = -1
         self._free.extend(ids.tolist())
         self.live -= len(ids)
 
@@ -110,69 +147,123 @@ class BlockTable:
         return ((keys * _GOLDEN) >> self._shift).astype(np.intp)
 
     def _find(self, keys: np.ndarray) -> np.ndarray:
-        """Slot of each key, -1 where absent. Probes go WINDOW slots a pass, so the passes
-        do not follow the longest probe sequence one slot at a time; a long array first
-        probes each key's home slot alone (where most keys are)."""
+        """Slot of each key, -1 where absent."""
+        return self._probe(keys, open_slots=False)[0]
+
+    def _probe(self, keys: np.ndarray, open_slots: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Slot of each key (-1 where absent) and, if open_slots, the first free slot (empty
+        or a tombstone) each absent key passed. A long array first probes each key's home
+        slot alone (where most keys are); then each pass reads a window of slots per key,
+        wider after the first, so the few keys in long clusters cost few passes."""
         pos = self._home(keys)
         found = np.full(len(keys), -1, np.intp)
+        free = np.full(len(keys), -1, np.intp)
         todo = np.arange(len(keys))
-        while len(todo) > _ONE_PROBE_FIRST:
+        if len(todo) > _ONE_PROBE_FIRST:
             ids = np.take(self._ids, pos)
-            hit = (np.take(self._keys, pos) == keys) & (ids >= 0)
+            hit = np.take(self._keys, pos) == keys
+            hit &= ids >= 0
             found[todo[hit]] = pos[hit]
-            go_on = ~hit & (ids != EMPTY)
-            todo, keys, pos = todo[go_on], keys[go_on], (pos[go_on] + 1) & self._mask
+            if open_slots:
+                first = (ids < 0) & (np.take(free, todo) < 0)
+                free[todo[first]] = pos[first]
+            go_on = np.flatnonzero((ids != EMPTY) > hit)  # neither found nor at an empty slot
+            todo, keys = np.take(todo, go_on), np.take(keys, go_on)
+            pos = (np.take(pos, go_on) + 1) & self._mask
+        window_slots = _WINDOW
         while len(todo):
-            window = (pos[:, None] + _WINDOW) & self._mask
+            window = (pos[:, None] + window_slots) & self._mask
             ids = np.take(self._ids, window)
-            match = (np.take(self._keys, window) == keys[:, None]) & (ids >= 0)
+            match = np.take(self._keys, window) == keys[:, None]
+            match &= ids >= 0
             row, col = np.nonzero(match)  # a key is never stored past an empty slot
             found[todo[row]] = window[row, col]
-            # a row of 8 bools read as one uint64: nonzero if any is set
-            go_on = (match.view(np.uint64)[:, 0] == 0) & ((ids == EMPTY).view(np.uint64)[:, 0] == 0)
-            todo, keys, pos = todo[go_on], keys[go_on], pos[go_on] + len(_WINDOW)
-        return found
+            missed = ~_any_per_row(match)
+            if open_slots:
+                open_ = ids < 0
+                first = missed & _any_per_row(open_) & (np.take(free, todo) < 0)
+                free[todo[first]] = window[first, open_[first].argmax(axis=1)]
+            go_on = np.flatnonzero(missed & ~_any_per_row(ids == EMPTY))
+            todo, keys = np.take(todo, go_on), np.take(keys, go_on)
+            pos = np.take(pos, go_on) + len(window_slots)
+            window_slots = _WIDE_WINDOW
+        return found, free
 
-    def _place(self, keys: np.ndarray, ids: np.ndarray) -> None:
-        """Put absent keys in free slots (home first, then the first open one of a window
-        on). Where several keys want one slot, each writes its id there and the one whose
-        id stays has it; the others probe on."""
-        pos = self._home(keys)
-        if len(keys) > _ONE_PROBE_FIRST:
-            pos = self._claim(pos, keys, ids, np.take(self._ids, pos) < 0)
-            keys, ids = keys[pos >= 0], ids[pos >= 0]
-            pos = pos[pos >= 0]
-        while len(keys):
-            window = (pos[:, None] + _WINDOW) & self._mask
+    def _insert(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Add absent keys (which may repeat), each at the free slot it reached or past it;
+        their new ids, handed out in the keys' order."""
+        slots, fresh = self._claim(keys, slots)
+        rank = np.arange(len(keys), dtype=np.int32)
+        np.minimum.at(self._ids, slots, rank)  # claimed slots hold _CLAIMED: now their first key
+        first = np.take(self._ids, slots) == rank
+        ids = self._allocate(int(np.count_nonzero(first)))
+        self._ids[slots[first]] = ids
+        self.key_of[ids] = keys[first]
+        self._slot_of[ids] = slots[first]
+        self.live += len(ids)
+        self._used += int(np.count_nonzero(fresh & first))
+        return np.take(self._ids, slots)
+
+    def _claim(self, keys: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A slot for each key, from its target on (free when chosen), marked _CLAIMED, and
+        whether it was empty (not a tombstone). Where distinct keys want one slot, the key
+        written last keeps it and the others go on to the next free slot; equal keys move
+        together, so they share one."""
+        slots = np.empty(len(keys), np.intp)
+        fresh = np.empty(len(keys), bool)
+        todo = np.arange(len(keys))
+        while len(todo):
+            wanted = keys[todo]
+            self._keys[target] = wanted
+            won = np.take(self._keys, target) == wanted
+            mine = target[won]
+            slots[todo[won]] = mine
+            fresh[todo[won]] = np.take(self._ids, mine) == EMPTY
+            self._ids[mine] = _CLAIMED
+            todo = todo[~won]
+            if len(todo):
+                target = self._free_from(target[~won] + 1)
+        return slots, fresh
+
+    def _free_from(self, pos: np.ndarray) -> np.ndarray:
+        """The first free slot (empty or a tombstone) at or after each position."""
+        out = np.empty(len(pos), np.intp)
+        todo = np.arange(len(pos))
+        window_slots = _WINDOW
+        while len(todo):
+            window = (pos[:, None] + window_slots) & self._mask
             open_ = np.take(self._ids, window) < 0
-            some = open_.view(np.uint64)[:, 0] != 0
-            target = np.where(some, window[np.arange(len(keys)), open_.argmax(axis=1)], pos)
-            pos = self._claim(target, keys, ids, some)
-            more = pos >= 0
-            pos = np.where(some, pos, pos + len(_WINDOW))[more]
-            keys, ids = keys[more], ids[more]
-
-    def _claim(
-        self, target: np.ndarray, keys: np.ndarray, ids: np.ndarray, open_: np.ndarray
-    ) -> np.ndarray:
-        """Place each key whose target slot is open and who wins it; the target of those
-        left to place (-1 for those placed)."""
-        slots = target[open_]
-        was_empty = self._ids[slots] == EMPTY
-        self._ids[slots] = ids[open_]  # one id per slot stays
-        mine = self._ids[slots] == ids[open_]
-        self._used += int(np.count_nonzero(mine & was_empty))
-        won = np.zeros(len(keys), bool)
-        won[open_] = mine
-        self._keys[target[won]] = keys[won]
-        return np.where(won, -1, target)
+            some = _any_per_row(open_)
+            out[todo[some]] = window[some, open_[some].argmax(axis=1)]
+            todo, pos = todo[~some], pos[~some] + len(window_slots)
+            window_slots = _WIDE_WINDOW
+        return out
 
     def _rehash(self, live: int) -> None:
-        """Rebuild the slots for `live` keys at most a quarter full, dropping tombstones."""
-        held = self._ids >= 0
-        keys, ids = self._keys[held], self._ids[held]
+        """Rebuild the slots for `live` keys at most a quarter full, dropping tombstones.
+
+        Taken in order of their new home slots, keys fill the table the way linear probing
+        would place them one at a time: each at its home or just past the key before it,
+        which a running maximum gives for all at once. The old slots run in home order and a
+        new home is an old one with more bits, so the order is nearly sorted already."""
+        held = np.flatnonzero(self._ids >= 0)
+        keys, ids = np.take(self._keys, held), np.take(self._ids, held)
         self._reset_slots(max(_MIN_SLOTS, 1 << (4 * live).bit_length()))
-        self._place(keys, ids)
+        home = self._home(keys)
+        order = np.argsort(home, kind="stable")
+        keys, ids, home = keys[order], ids[order], home[order]
+        rank = np.arange(len(keys))
+        slots = rank + np.maximum.accumulate(home - rank)
+        inside = slots <= self._mask
+        self._keys[slots[inside]] = keys[inside]
+        self._ids[slots[inside]] = ids[inside]
+        self._slot_of[ids[inside]] = slots[inside]
+        wrapped = np.flatnonzero(~inside)  # ran past the last slot: they go on from the first
+        if len(wrapped):
+            slots, _ = self._claim(keys[wrapped], self._free_from(np.zeros(len(wrapped), np.intp)))
+            self._ids[slots] = ids[wrapped]
+            self._slot_of[ids[wrapped]] = slots
+        self._used = len(keys)
 
     def _allocate(self, n: int) -> np.ndarray:
         reused = min(n, len(self._free))
@@ -185,5 +276,5 @@ class BlockTable:
         if self._next > len(self.key_of):
             size = max(2 * len(self.key_of), self._next)
             self.key_of = _grown(self.key_of, size)
-            self._live_id = _grown(self._live_id, size)
+            self._slot_of = _grown(self._slot_of, size, fill=-1)
         return ids

@@ -14,7 +14,7 @@ one row of W/64 words however many workers hold it). A lookup finds the ids of a
 prompt's blocks in one vectorised pass, gathers their masks and ANDs them cumulatively:
 where the running mask loses a worker's bit is that worker's overlap, so Python work is
 done only where the holders change. A short prompt (SHORT_PROMPT_BLOCKS), where numpy's
-cost per call would dominate, is looked up through a dict mirror of the table instead,
+cost per call would dominate, is looked up in Python instead (BlockTable.leading_ids_short),
 its masks ANDed as Python ints.
 
 The (worker, block) pairs that start or stop being held are queued, a batch of keys at a
@@ -31,10 +31,9 @@ reaches through GPU and lower tiers together.
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence, Set
 from functools import partial
-from itertools import accumulate, groupby, takewhile
+from itertools import accumulate, groupby
 from operator import and_, is_not
 
 import numpy as np
@@ -143,7 +142,6 @@ class KvIndexer:
         self._bits = np.zeros((self._table.id_capacity, 1), np.uint64)  # block id -> mask
         self._held: dict[str, int] = {}  # worker -> blocks it holds here
         self._translators: dict[str, EventTranslator] = {}  # workers publishing vLLM's format
-        self._id_of: dict[int, int] = {}  # the table as a dict, for short lookups
         # (worker, block) changes not yet in the table and masks: (router hashes, column, held)
         self._queued: list[tuple[np.ndarray | list[int], int, bool]] = []
         self._queued_ops = 0
@@ -245,8 +243,8 @@ class KvIndexer:
 
     def _short_overlaps(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """overlaps() for a short prompt, where numpy's cost per call would dominate: ids
-        from the dict mirror, masks as Python ints, ANDed and grouped into runs in C."""
-        ids = list(takewhile(_not_none, map(self._id_of.get, block_hashes)))
+        read from the table in Python, masks as Python ints, ANDed and grouped into runs in C."""
+        ids = self._table.leading_ids_short(block_hashes)
         if not ids:
             return {}
         rows = self._bits[ids].astype("<u8", copy=False)
@@ -382,7 +380,8 @@ class KvIndexer:
         if sets.any():
             on = keys[sets] if not sets.all() else keys
             on_cols = cols[sets] if not sets.all() else cols
-            ids = self._ids_for(on)
+            ids = self._table.add(on)
+            self._fit()
             words, bits = _masks(on_cols)
             np.bitwise_or.at(self._bits, (ids, words), bits)
         if not sets.all():
@@ -393,7 +392,6 @@ class KvIndexer:
             ids = np.unique(ids)
             dead = ids[~self._bits[ids].any(axis=1)]
             if len(dead):
-                deque(map(self._id_of.__delitem__, self._table.key_of[dead].tolist()), maxlen=0)
                 self._table.remove(dead)
 
     def _fit(self) -> None:
@@ -404,20 +402,6 @@ class KvIndexer:
             grown = np.zeros((max(rows, old_rows), max(words, old_words)), np.uint64)
             grown[:old_rows, :old_words] = self._bits
             self._bits = grown
-
-    def _ids_for(self, keys: np.ndarray) -> np.ndarray:
-        """The block ids of these keys (which may repeat), adding those the table lacks."""
-        ids = self._table.ids(keys)
-        missing = ids < 0
-        if missing.any():
-            new, first, inverse = np.unique(keys[missing], return_index=True, return_inverse=True)
-            order = np.argsort(first)  # ids in the order the blocks came: see leading_ids
-            added = np.empty(len(new), np.int64)
-            added[order] = self._table.add(new[order])
-            ids[missing] = added[inverse]
-            self._id_of.update(zip(new.tolist(), added.tolist(), strict=True))
-            self._fit()
-        return ids
 
     def _rows(self, keys: np.ndarray, words: int) -> np.ndarray:
         """The masks of these keys' blocks (zero where not indexed), `words` wide."""

@@ -31,14 +31,25 @@ def hash_blocks(tokens, block_size, parent=None) -> list[int]:
 
 
 def test_block_table_matches_a_dict_through_growth_and_tombstones():
+    """Batches of keys, new and known, each possibly several times, then removals: the
+    table hands out ids as a dict would (a known key keeps its id, a key new to the batch
+    gets one id however often it comes, ids new to the batch in order of first coming),
+    through rehashes and the tombstones removals leave."""
     rng = np.random.default_rng(3)
     table, truth = BlockTable(), {}
     for _ in range(30):
-        keys = np.unique(rng.integers(0, 2**64, 3000, np.uint64, endpoint=False))
-        keys = keys[table.ids(keys) < 0]
-        ids = table.add(keys)
-        assert len(set(ids.tolist())) == len(ids) and not set(ids.tolist()) & set(truth.values())
-        truth.update(zip(keys.tolist(), ids.tolist(), strict=True))
+        fresh = rng.integers(0, 2**64, 3000, np.uint64, endpoint=False)
+        known = np.array(list(truth), np.uint64)[: int(rng.integers(0, 500))]
+        keys = np.concatenate([fresh, known, fresh[rng.integers(0, len(fresh), 1000)]])
+        rng.shuffle(keys)
+        free_before = set(range(table.id_capacity)) - set(truth.values())
+        ids = table.add(keys).tolist()
+        new = [k for k in dict.fromkeys(keys.tolist()) if k not in truth]
+        new_ids = [ids[keys.tolist().index(k)] for k in new]
+        assert len(set(new_ids)) == len(new) and not set(new_ids) & set(truth.values())
+        assert set(new_ids) <= free_before | set(range(table.id_capacity))
+        truth.update(zip(new, new_ids, strict=True))
+        assert ids == [truth[k] for k in keys.tolist()]
         gone = rng.choice(np.array(list(truth), np.uint64), len(truth) // 3, replace=False)
         table.remove(table.ids(gone))
         for k in gone.tolist():
@@ -47,7 +58,47 @@ def test_block_table_matches_a_dict_through_growth_and_tombstones():
         probe = np.concatenate([np.array(list(truth), np.uint64), gone])
         expected = [truth.get(k, -1) for k in probe.tolist()]
         assert table.ids(probe).tolist() == expected
+        assert table.leading_ids_short(probe[:50].tolist()) == expected[:50]
     assert table.id_capacity < 4 * len(truth)  # freed ids are reused
+
+
+def test_new_keys_get_consecutive_ids_in_the_order_they_come():
+    table = BlockTable()
+    first = np.arange(1, 301, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    ids = table.add(np.concatenate([first, first[::-1]]))
+    assert ids.tolist() == [*range(300), *range(299, -1, -1)]
+    second = first + np.uint64(1)
+    assert table.add(np.concatenate([first[:5], second])).tolist() == [*range(5), *range(300, 600)]
+
+
+def test_a_rehash_keeps_keys_whose_probes_wrap_past_the_last_slot():
+    """Keys whose home slots are the table's last ones: after a rehash into as many slots,
+    those placed past the end go on from slot 0, ahead of the keys homed there."""
+    table = BlockTable()
+    slots = len(table._keys)
+    inverse = pow(0x9E3779B97F4A7C15, -1, 2**64)  # a key whose scrambled top bits are `home`
+    homes = [slots - 1] * 5 + [slots - 2] * 3 + [0, 1]
+    shift = 64 - (slots.bit_length() - 1)
+    keys = np.array(
+        [(((h << shift) + i + 1) * inverse) % 2**64 for i, h in enumerate(homes)], np.uint64
+    )
+    assert table._home(keys).tolist() == homes
+    ids = table.add(keys)
+    table._rehash(table.live)
+    assert len(table._keys) == slots
+    assert table.ids(keys).tolist() == ids.tolist() == list(range(len(keys)))
+    assert table.leading_ids_short(keys.tolist()) == list(range(len(keys)))
+
+
+def test_a_key_added_again_takes_the_tombstone_it_passes():
+    table = BlockTable()
+    keys = np.arange(1, 1001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    ids = table.add(keys)
+    used = table._used
+    table.remove(ids[:400])
+    assert table.add(keys[:400]).tolist() == ids[:400].tolist()  # the freed ids, handed out again
+    assert table._used == used  # no new slot: each took a tombstone back
+    assert table.ids(keys).tolist() == table.add(keys).tolist()
 
 
 def test_leading_ids_guess_consecutive_ids_and_look_up_the_rest():
