@@ -39,8 +39,9 @@ as the router's event readers do) or by a thread (pacing itself, as a thread own
 event sockets would; the index behind a lock that routing takes too). Meanwhile the loop
 runs a probe (a 1 ms sleep; its lateness is what every stream on the loop waits) and
 routes a --prompt-tokens prompt every 5 ms. Figures per (rate, place): probe lateness
-p50/p99, decision time p50/p99 (lock waits included), the event rate achieved. Records go
-to results/router_loop_lag.jsonl.
+p50/p99, decision time p50/p99 (lock waits included), the event rate achieved. The workers
+publish in --events-format (vllm, the default here: the router translates; shoal: each
+worker translated its own). Records go to results/router_loop_lag.jsonl.
 
     .venv/bin/python benchmarks/router_decision.py --loop-lag --workers 32 \\
         --prompt-tokens 1024 --indexed-blocks 200000 --event-rates 0,100000,300000,1000000
@@ -57,6 +58,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,7 @@ from provenance import provenance
 
 from shoal.kv_hash import hash_blocks, route_hash_runs, route_hashes
 from shoal.protocol import (
+    KV_EVENTS_FORMATS,
     BlockRemoved,
     BlockStored,
     EngineRequest,
@@ -109,10 +112,15 @@ def stored_events(tokens: list[int]) -> list[BlockStored]:
 
 
 def build_index(
-    router: KvRouter, workers: list[str], indexed_blocks: int, rng: random.Random
+    router: KvRouter,
+    workers: list[str],
+    indexed_blocks: int,
+    rng: random.Random,
+    publish: Callable[[str, list], list] | None = None,
 ) -> tuple[list[tuple[str, list[BlockStored]]], float, int]:
     """Fill the router's index with filler prefixes; (what was stored where, seconds spent
-    applying events, block operations applied)."""
+    applying events, block operations applied). publish: each batch as its worker
+    publishes it (vLLM's events, which the router translates, if None)."""
     per_prefix = FILLER_TOKENS // BLOCK
     stored: list[tuple[str, list[BlockStored]]] = []
     for _ in range(indexed_blocks // per_prefix):
@@ -120,8 +128,9 @@ def build_index(
         events = stored_events(tokens)
         for worker in rng.sample(workers, rng.choice((1, 2))):
             stored.append((worker, events))
+    batches = stored if publish is None else [(w, publish(w, events)) for w, events in stored]
     t0 = time.perf_counter()
-    for worker, events in stored:
+    for worker, events in batches:
         router.indexer.apply_batch(worker, events)
     router.indexer.flush()  # what the index still queues
     seconds = time.perf_counter() - t0
@@ -318,15 +327,30 @@ DECISION_EVERY_S = 0.005  # routing decisions on the loop, one every this many s
 
 
 def event_stream(
-    stored: list[tuple[str, list[BlockStored]]],
-) -> list[tuple[str, list[BlockStored | BlockRemoved]]]:
+    stored: list[tuple[str, list[BlockStored]]], publish: Callable[[str, list], list] | None
+) -> list[tuple[str, list]]:
     """(worker, batch) pairs that remove and store again each stored prefix, EVENT_BLOCKS
-    block operations a batch: applied in a cycle they keep the index's size."""
-    stream: list[tuple[str, list[BlockStored | BlockRemoved]]] = []
+    block operations a batch: applied in a cycle they keep the index's size. publish: as
+    in build_index (called in the stream's order, so a cycle leaves its state as it was)."""
+    stream: list[tuple[str, list]] = []
     for worker, events in stored[::7]:
         stream += [(worker, [BlockRemoved(block_hashes=e.block_hashes)]) for e in events]
         stream += [(worker, [e]) for e in events]
+    if publish is not None:
+        stream = [(worker, publish(worker, batch)) for worker, batch in stream]
     return stream
+
+
+def publisher() -> Callable[[str, list], list]:
+    """A batch of vLLM-format events as a shoal worker publishes it (--kv-events-format
+    shoal), each worker translating its own: router hashes, packed."""
+    translators: dict[str, EventTranslator] = {}
+
+    def publish(worker: str, events: list) -> list:
+        translator = translators.setdefault(worker, EventTranslator(worker))
+        return as_route_events(translator.translate(events))
+
+    return publish
 
 
 async def _loop_lag(
@@ -422,23 +446,37 @@ async def _loop_lag(
 
 
 def loop_lag(
-    workers: int, prompt_tokens: int, indexed_blocks: int, rates: list[float], seconds: float
+    workers: int,
+    prompt_tokens: int,
+    indexed_blocks: int,
+    rates: list[float],
+    seconds: float,
+    events_format: str,
 ) -> list[dict]:
-    """_loop_lag for each rate, events on the loop and in a thread, on one index."""
+    """_loop_lag for each rate, events on the loop and in a thread, on one index, the
+    workers publishing in `events_format`."""
     import asyncio
 
     rng = random.Random(workers)
     names = [f"w{i}" for i in range(workers)]
     instances = [instance(n) for n in names]
     router = KvRouter(None, metrics=RouterMetrics(CollectorRegistry()), seed=0, replica_sync=False)
-    stored, _, _ = build_index(router, names, indexed_blocks, rng)
-    stream = event_stream(stored)
+    publish = publisher() if events_format == "shoal" else None
+    stored, _, _ = build_index(router, names, indexed_blocks, rng, publish)
+    stream = event_stream(stored, publish)
     prompt = [rng.randrange(4, 150_000) for _ in range(prompt_tokens)]
     rows = []
     for rate in rates:
         for threaded in (False, True) if rate > 0 else (False,):
             row = asyncio.run(_loop_lag(router, instances, prompt, stream, rate, threaded, seconds))
-            rows.append({"workers": workers, "prompt_tokens": prompt_tokens, **row})
+            rows.append(
+                {
+                    "workers": workers,
+                    "prompt_tokens": prompt_tokens,
+                    "events_format": events_format,
+                    **row,
+                }
+            )
     return rows
 
 
@@ -467,6 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--event-rates",
         default="0,100000,300000,1000000",
         help="--loop-lag: block operations per second, comma-separated",
+    )
+    p.add_argument(
+        "--events-format",
+        choices=KV_EVENTS_FORMATS,
+        default="vllm",
+        help="--loop-lag: the format the workers publish KV events in (shoal: router hashes,"
+        " translated by each worker; vllm: BlockStored, translated by the router)",
     )
     p.add_argument("--no-record", action="store_true", help="do not append to results/")
     return p
@@ -532,7 +577,9 @@ def main_loop_lag(
     rows = []
     for workers in worker_counts:
         for length in lengths:
-            for row in loop_lag(workers, length, args.indexed_blocks, rates, args.seconds):
+            for row in loop_lag(
+                workers, length, args.indexed_blocks, rates, args.seconds, args.events_format
+            ):
                 row = {**stamp, **row, "load_average_1m": os.getloadavg()[0]}
                 rows.append(row)
                 print(

@@ -20,6 +20,7 @@ _WINDOW = np.arange(8)  # slots probed together (a cache line of keys)
 _WIDE_WINDOW = np.arange(64)  # slots probed together by the keys still looking after one window
 _ONE_PROBE_FIRST = 256  # keys in a call above which each key's home slot is probed alone first
 _STRIDE = 32  # leading_ids: one key in this many is looked up in the slots
+_FEW = 8  # keys left to probe or place below which a Python loop is cheaper than a numpy pass
 _U64 = (1 << 64) - 1
 
 
@@ -108,13 +109,21 @@ class BlockTable:
 
     def _id_of_key(self, key: int) -> int:
         """The id of one key, -1 if absent."""
+        slot, _ = self._probe_one(key, ((key * int(_GOLDEN)) & _U64) >> int(self._shift), -1)
+        return -1 if slot < 0 else int(self._ids[slot])
+
+    def _probe_one(self, key: int, slot: int, free: int) -> tuple[int, int]:
+        """_probe for one key, in Python, going on from `slot`; `free`: the first free slot it
+        has passed (-1: none yet)."""
         ids, keys, mask = memoryview(self._ids), memoryview(self._keys), self._mask
-        slot = ((key * int(_GOLDEN)) & _U64) >> int(self._shift)
-        while (found := ids[slot]) != EMPTY:
-            if found >= 0 and keys[slot] == key:
-                return found
+        while (state := ids[slot]) != EMPTY:
+            if state >= 0:
+                if keys[slot] == key:
+                    return slot, free
+            elif free < 0:
+                free = slot
             slot = (slot + 1) & mask
-        return -1
+        return -1, slot if free < 0 else free
 
     def add(self, keys: np.ndarray) -> np.ndarray:
         """The id of each key, adding the keys the table lacks (keys may repeat). Keys added
@@ -172,6 +181,10 @@ class BlockTable:
             pos = (np.take(pos, go_on) + 1) & self._mask
         window_slots = _WINDOW
         while len(todo):
+            if len(todo) <= _FEW:
+                for i, key, slot in zip(todo.tolist(), keys.tolist(), pos.tolist(), strict=True):
+                    found[i], free[i] = self._probe_one(key, slot & self._mask, int(free[i]))
+                break
             window = (pos[:, None] + window_slots) & self._mask
             ids = np.take(self._ids, window)
             match = np.take(self._keys, window) == keys[:, None]
@@ -212,7 +225,7 @@ class BlockTable:
         slots = np.empty(len(keys), np.intp)
         fresh = np.empty(len(keys), bool)
         todo = np.arange(len(keys))
-        while len(todo):
+        while len(todo) > _FEW:
             wanted = keys[todo]
             self._keys[target] = wanted
             won = np.take(self._keys, target) == wanted
@@ -220,9 +233,19 @@ class BlockTable:
             slots[todo[won]] = mine
             fresh[todo[won]] = np.take(self._ids, mine) == EMPTY
             self._ids[mine] = _CLAIMED
-            todo = todo[~won]
-            if len(todo):
-                target = self._free_from(target[~won] + 1)
+            todo, target = todo[~won], target[~won]
+            if len(todo) > _FEW:
+                target = self._free_from(target + 1)
+        ids, mask = memoryview(self._ids), self._mask
+        placed: dict[int, tuple[int, bool]] = {}  # the few left, one at a time: key -> slot
+        for i, key, slot in zip(todo.tolist(), keys[todo].tolist(), target.tolist(), strict=True):
+            if key not in placed:
+                while ids[slot] >= 0:  # taken meanwhile (live or _CLAIMED)
+                    slot = (slot + 1) & mask
+                self._keys[slot] = key
+                placed[key] = slot, ids[slot] == EMPTY
+                ids[slot] = _CLAIMED
+            slots[i], fresh[i] = placed[key]
         return slots, fresh
 
     def _free_from(self, pos: np.ndarray) -> np.ndarray:

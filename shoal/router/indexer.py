@@ -19,8 +19,9 @@ its masks ANDed as Python ints.
 
 The (worker, block) pairs that start or stop being held are queued, a batch of keys at a
 time, and applied to the table and the masks in one vectorised pass before any lookup, or
-once FLUSH_OPS pairs wait, so numpy's cost per call is paid per thousand blocks rather than
-per event.
+once FLUSH_OPS pairs wait, so numpy's cost per call is paid per thousands of blocks rather
+than per event (a lookup pays for what is queued: the larger FLUSH_OPS, the fewer numpy
+calls per block and the more a lookup may wait).
 
 Blocks in GPU memory are indexed here; blocks in a worker's lower tiers (events with
 `medium` CPU or DISK, shoal.engine.kv_offload) go to a second index of the same kind,
@@ -49,7 +50,7 @@ from shoal.protocol import (
 from shoal.route_events import Change, EventTranslator
 from shoal.router.block_table import BlockTable
 
-FLUSH_OPS = 1024  # queued (worker, block) changes applied without waiting for a lookup
+FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a lookup
 SHORT_PROMPT_BLOCKS = 256  # prompts up to this many blocks are looked up without numpy
 _not_none = partial(is_not, None)
 _DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
@@ -145,6 +146,7 @@ class KvIndexer:
         # (worker, block) changes not yet in the table and masks: (router hashes, column, held)
         self._queued: list[tuple[np.ndarray | list[int], int, bool]] = []
         self._queued_ops = 0
+        self._queued_removals = 0  # of those ops
         self.lower: KvIndexer | None = (
             KvIndexer(lower_tiers=False, _columns=self._columns) if lower_tiers else None
         )
@@ -339,6 +341,8 @@ class KvIndexer:
     def _queue(self, column: int, keys: np.ndarray | list[int], held: bool) -> None:
         self._queued.append((keys, column, held))
         self._queued_ops += len(keys)
+        if not held:
+            self._queued_removals += len(keys)
 
     def _flush_if_full(self) -> None:
         if self._queued_ops >= FLUSH_OPS:
@@ -369,22 +373,25 @@ class KvIndexer:
         (lookups do it first)."""
         if not self._queued:
             return
-        queued, self._queued, self._queued_ops = self._queued, [], 0
+        queued, self._queued = self._queued, []
+        stores = self._queued_ops - self._queued_removals
+        self._queued_ops = self._queued_removals = 0
         lengths = [len(keys) for keys, _, _ in queued]
         keys = np.concatenate([_u64(keys) for keys, _, _ in queued])
         cols = np.repeat(np.array([column for _, column, _ in queued], np.int64), lengths)
-        sets = np.repeat(np.array([held for _, _, held in queued], np.bool_), lengths)
-        if not (sets.all() or not sets.any()):
-            keys, cols, sets = _net(keys, cols, sets)
+        if stores == len(keys):  # stores alone (as while a worker fills its cache)
+            sets = None
+        else:
+            sets = np.repeat(np.array([held for _, _, held in queued], np.bool_), lengths)
+            if stores:
+                keys, cols, sets = _net(keys, cols, sets)
         self._fit()
-        if sets.any():
-            on = keys[sets] if not sets.all() else keys
-            on_cols = cols[sets] if not sets.all() else cols
+        if sets is None or sets.any():
+            on = keys if sets is None else keys[sets]
             ids = self._table.add(on)
             self._fit()
-            words, bits = _masks(on_cols)
-            np.bitwise_or.at(self._bits, (ids, words), bits)
-        if not sets.all():
+            self._set_bits(ids, cols if sets is None else cols[sets])
+        if sets is not None and not sets.all():
             off = ~sets
             ids = self._table.ids(keys[off])
             words, bits = _masks(cols[off])
@@ -393,6 +400,14 @@ class KvIndexer:
             dead = ids[~self._bits[ids].any(axis=1)]
             if len(dead):
                 self._table.remove(dead)
+
+    def _set_bits(self, ids: np.ndarray, columns: np.ndarray) -> None:
+        """Set these columns' bits in these blocks' masks (pairs may repeat)."""
+        words, bits = _masks(columns)
+        if self._bits.shape[1] == 1:  # 64 workers or fewer: one word per block
+            np.bitwise_or.at(self._bits.reshape(-1), ids, bits)
+        else:
+            np.bitwise_or.at(self._bits, (ids, words), bits)
 
     def _fit(self) -> None:
         """Grow the mask matrix to every id the table hands out and every worker's column."""
