@@ -139,8 +139,12 @@ class BlockTable:
         return ids
 
     def remove(self, ids: np.ndarray) -> None:
-        """Remove the keys of these live ids (distinct), freeing the ids."""
-        self._ids[self._slot_of[ids]] = GONE
+        """Remove the keys of these live ids (which may repeat), freeing the ids."""
+        slots, rank = self._slot_of[ids], -1 - np.arange(len(ids))
+        self._slot_of[ids] = rank  # one rank stays per id
+        first = self._slot_of[ids] == rank
+        ids = ids[first]
+        self._ids[slots[first]] = GONE
         self._slot_of[ids] = -1
         self._free.extend(ids.tolist())
         self.live -= len(ids)

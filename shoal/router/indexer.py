@@ -392,22 +392,23 @@ class KvIndexer:
             self._fit()
             self._set_bits(ids, cols if sets is None else cols[sets])
         if sets is not None and not sets.all():
-            off = ~sets
-            ids = self._table.ids(keys[off])
-            words, bits = _masks(cols[off])
-            np.bitwise_and.at(self._bits, (ids, words), ~bits)
-            ids = np.unique(ids)
-            dead = ids[~self._bits[ids].any(axis=1)]
+            off = None if not stores else ~sets  # removals alone: all of them
+            ids = self._table.ids(keys if off is None else keys[off])
+            self._set_bits(ids, cols if off is None else cols[off], clear=True)
+            dead = ids[~self._bits[ids].any(axis=1)]  # an id may come more than once
             if len(dead):
                 self._table.remove(dead)
 
-    def _set_bits(self, ids: np.ndarray, columns: np.ndarray) -> None:
-        """Set these columns' bits in these blocks' masks (pairs may repeat)."""
+    def _set_bits(self, ids: np.ndarray, columns: np.ndarray, clear: bool = False) -> None:
+        """Set (or clear) these columns' bits in these blocks' masks; pairs may repeat."""
         words, bits = _masks(columns)
+        at = np.bitwise_and.at if clear else np.bitwise_or.at
+        if clear:
+            bits = ~bits
         if self._bits.shape[1] == 1:  # 64 workers or fewer: one word per block
-            np.bitwise_or.at(self._bits.reshape(-1), ids, bits)
+            at(self._bits.reshape(-1), ids, bits)
         else:
-            np.bitwise_or.at(self._bits, (ids, words), bits)
+            at(self._bits, (ids, words), bits)
 
     def _fit(self) -> None:
         """Grow the mask matrix to every id the table hands out and every worker's column."""
