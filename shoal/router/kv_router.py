@@ -257,6 +257,8 @@ class KvRouter(Policy):
         deltas release it. None: this router's own request, shared with its replicas.
         """
         t0 = time.perf_counter()
+        if self._sync is not None and owner is None:
+            self._sync.catch_up()
         self._expire_guesses()
         block_size = self.load.block_size
         free = free_workers(candidates, self.load, self.config)

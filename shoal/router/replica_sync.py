@@ -27,7 +27,7 @@ from shoal.protocol import ROUTER_LOAD_TOPIC, InstanceRecord, LoadDelta
 from shoal.router.load import LoadTracker
 from shoal.runtime.addressing import EndpointAddress
 from shoal.runtime.distributed import DistributedRuntime
-from shoal.runtime.event_plane import EventPublisher, EventSubscriber
+from shoal.runtime.event_plane import Event, EventPublisher, EventSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,19 @@ class ReplicaSync:
                     self._subscriber.connect(address)
                 self._addresses[peer] = address
 
+    def catch_up(self) -> None:
+        """Count the peers' deltas that have arrived and not been read yet: a decision
+        taken after a stretch of other work (parsing, tokenizing) sees every decision the
+        peers announced meanwhile, not only those the loop got round to."""
+        if self._subscriber is not None:
+            for event in self._subscriber.ready():
+                self._apply(event)
+
     async def _read(self) -> None:
         async for event in self._subscriber:
-            delta = event.message
-            if delta.replica_id != self.replica_id and delta.replica_id in self._addresses:
-                self.peers.apply(delta, event.seq)
+            self._apply(event)
+
+    def _apply(self, event: Event[LoadDelta]) -> None:
+        delta = event.message
+        if delta.replica_id != self.replica_id and delta.replica_id in self._addresses:
+            self.peers.apply(delta, event.seq)

@@ -165,13 +165,32 @@ class EventSubscriber(Generic[T]):
                     raise RuntimePlaneError("event subscriber is closed")
                 self._waiter = self._loop.create_future()
                 await self._waiter
-            topic, seq, payload = self._pending.popleft()
-            if len(self._pending) <= self._max_pending // 2:
-                self._sock.resume()
-            try:
-                return Event(topic.decode(), _SEQ.unpack(seq)[0], self._decode(payload))
-            except (msgspec.DecodeError, struct.error, UnicodeDecodeError) as exc:
-                self._drop(f"an undecodable event on topic {topic!r}: {exc}")
+            event = self._next()
+            if event is not None:
+                return event
+
+    def ready(self) -> list[Event[T]]:
+        """The messages that have arrived, read from the socket now rather than when the loop
+        next polls it (never waits). recv() goes on after them."""
+        if not self._sock.closed:
+            self._sock.drain()
+        events = []
+        while self._pending:
+            event = self._next()
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _next(self) -> Event[T] | None:
+        """The first pending message, decoded (None: it was dropped)."""
+        topic, seq, payload = self._pending.popleft()
+        if len(self._pending) <= self._max_pending // 2:
+            self._sock.resume()
+        try:
+            return Event(topic.decode(), _SEQ.unpack(seq)[0], self._decode(payload))
+        except (msgspec.DecodeError, struct.error, UnicodeDecodeError) as exc:
+            self._drop(f"an undecodable event on topic {topic!r}: {exc}")
+            return None
 
     def _drop(self, what: str) -> None:
         self.num_dropped += 1

@@ -54,8 +54,8 @@ class LoopSocket:
         self._fd = sock.getsockopt(zmq.FD)
         self._drain_pending = True
         self._paused = False
-        self._loop.add_reader(self._fd, self._drain)
-        self._loop.call_soon(self._drain)
+        self._loop.add_reader(self._fd, self.drain)
+        self._loop.call_soon(self.drain)
 
     @property
     def closed(self) -> bool:
@@ -72,7 +72,7 @@ class LoopSocket:
             return False
         if not self._drain_pending:
             self._drain_pending = True
-            self._loop.call_soon(self._drain)
+            self._loop.call_soon(self.drain)
         return True
 
     def pause(self) -> None:
@@ -84,8 +84,8 @@ class LoopSocket:
     def resume(self) -> None:
         if self._paused and not self.sock.closed:
             self._paused = False
-            self._loop.add_reader(self._fd, self._drain)
-            self._loop.call_soon(self._drain)
+            self._loop.add_reader(self._fd, self.drain)
+            self._loop.call_soon(self.drain)
 
     def close(self, linger_ms: int = 0) -> None:
         if self.sock.closed:
@@ -94,7 +94,9 @@ class LoopSocket:
             self._loop.remove_reader(self._fd)
         self.sock.close(linger=linger_ms)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Hand every message waiting now to on_frames (the loop does it when the socket is
+        readable; a caller may do it sooner, never waiting)."""
         self._drain_pending = False
         sock = self.sock
         recv = sock.recv

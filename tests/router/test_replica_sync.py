@@ -164,6 +164,31 @@ def test_two_synced_replicas_hold_the_load_picture_of_one():
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_a_decision_counts_the_deltas_that_arrived_while_the_loop_was_busy():
+    """A frontend's loop parses and tokenizes a request before routing it, without polling
+    its sockets. The decision still counts every delta its peer announced meanwhile: it
+    reads the ones waiting on its subscription first."""
+
+    async def main() -> None:
+        discovery = MemoryDiscovery(MemoryRegistry())
+        async with DistributedRuntime(discovery) as rt_a, DistributedRuntime(discovery) as rt_b:
+            await start_workers(rt_a)
+            a, client = await start_router(rt_a, sync_window=0)
+            b, _ = await start_router(rt_b, sync_window=0)
+            await hear_each_other(a, b)
+            instances = client.instances()
+            first, second = burst(2, seed=9)
+            taken = b.select(instances, first).instance_id
+            time.sleep(0.2)  # other work on a's loop: b's delta reaches a's socket, unread
+            assert (b.replica_id, first.request_id) not in a.load
+            assert a.select(instances, second).instance_id != taken
+            assert (b.replica_id, first.request_id) in a.load
+            for router in (a, b):
+                await router.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

@@ -100,3 +100,23 @@ def test_one_subscriber_many_publishers_and_bounded_pending() -> None:
             pub.close()
 
     run(main())
+
+
+def test_ready_reads_what_has_arrived_without_the_loop_and_recv_goes_on_after() -> None:
+    async def main() -> None:
+        pub = EventPublisher()
+        sub = EventSubscriber(KVEventBatch, topics=["kv."])
+        sub.connect(pub.address)
+        start = (await first_event(pub, sub, "kv.w1", lambda: batch("w1", 0))).seq
+        assert sub.ready() == []
+        for i in range(1, 4):
+            pub.publish("kv.w1", batch("w1", i))
+        time.sleep(0.2)  # the loop is busy: the messages wait on the socket, unread
+        assert [e.seq - start for e in sub.ready()] == [1, 2, 3]
+        assert sub.ready() == []
+        pub.publish("kv.w1", batch("w1", 4))
+        assert (await asyncio.wait_for(sub.recv(), 5)).seq - start == 4
+        sub.close()
+        pub.close()
+
+    run(main())
