@@ -33,9 +33,8 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator, Sequence, Set
-from functools import partial
 from itertools import accumulate, groupby
-from operator import and_, is_not
+from operator import and_
 
 import numpy as np
 
@@ -52,7 +51,6 @@ from shoal.router.block_table import BlockTable
 
 FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a lookup
 SHORT_PROMPT_BLOCKS = 256  # prompts up to this many blocks are looked up without numpy
-_not_none = partial(is_not, None)
 _DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
 
 
@@ -390,25 +388,38 @@ class KvIndexer:
             on = keys if sets is None else keys[sets]
             ids = self._table.add(on)
             self._fit()
-            self._set_bits(ids, cols if sets is None else cols[sets])
+            self._change_bits(ids, *_masks(cols if sets is None else cols[sets]), np.bitwise_or)
         if sets is not None and not sets.all():
             off = None if not stores else ~sets  # removals alone: all of them
             ids = self._table.ids(keys if off is None else keys[off])
-            self._set_bits(ids, cols if off is None else cols[off], clear=True)
+            cols = cols if off is None else cols[off]
+            words, bits = _masks(cols)
+            held = ids >= 0
+            held[held] = (self._bits[ids[held], words[held]] & bits[held]) != 0
+            if not held.all():  # pairs not held (a worker's stray removal): counted back
+                self._count_back(cols[~held])
+                ids, words, bits = ids[held], words[held], bits[held]
+            self._change_bits(ids, words, ~bits, np.bitwise_and)
             dead = ids[~self._bits[ids].any(axis=1)]  # an id may come more than once
             if len(dead):
                 self._table.remove(dead)
 
-    def _set_bits(self, ids: np.ndarray, columns: np.ndarray, clear: bool = False) -> None:
-        """Set (or clear) these columns' bits in these blocks' masks; pairs may repeat."""
-        words, bits = _masks(columns)
-        at = np.bitwise_and.at if clear else np.bitwise_or.at
-        if clear:
-            bits = ~bits
+    def _change_bits(
+        self, ids: np.ndarray, words: np.ndarray, bits: np.ndarray, op: np.ufunc
+    ) -> None:
+        """bits[id, word] = op(bits[id, word], bit) for each triple (ids may repeat)."""
         if self._bits.shape[1] == 1:  # 64 workers or fewer: one word per block
-            at(self._bits.reshape(-1), ids, bits)
+            op.at(self._bits.reshape(-1), ids, bits)
         else:
-            at(self._bits, (ids, words), bits)
+            op.at(self._bits, (ids, words), bits)
+
+    def _count_back(self, columns: np.ndarray) -> None:
+        """Undo the queue's count of removals that removed nothing, per worker."""
+        names = self._columns.names
+        for column, count in zip(*np.unique(columns, return_counts=True), strict=True):
+            worker = names[column]
+            if worker in self._held:
+                self._held[worker] += int(count)
 
     def _fit(self) -> None:
         """Grow the mask matrix to every id the table hands out and every worker's column."""

@@ -14,7 +14,14 @@ import pytest
 from overlap_reference import leading_overlaps
 
 from shoal.kv_hash import extra_key, route_hashes
-from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from shoal.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    RouteHashesRemoved,
+    RouteHashesStored,
+)
 from shoal.router.indexer import KvIndexer
 
 BLOCK = 4
@@ -118,6 +125,25 @@ def test_store_twice_is_idempotent_and_removing_unheld_blocks_is_a_noop():
     index.apply("b", removed(H[:3]))  # b holds none of them; a keeps its own
     assert index.num_blocks("a") == 3
     assert index.overlaps(H) == {"a": 3}
+
+
+def packed(hashes: Sequence[int]) -> bytes:
+    return np.array(hashes, "<u8").tobytes()
+
+
+def test_a_shoal_workers_stray_removals_change_nothing():
+    """Router hashes a worker says it no longer holds but never stored (unknown to the
+    index, or held by another worker only) are ignored, and its block count stays true."""
+    index = KvIndexer()
+    index.apply_batch("a", [RouteHashesStored(route_hashes=packed(H[:3]))])
+    index.apply_batch("b", [RouteHashesStored(route_hashes=packed(H[:5]))])
+    index.apply_batch("a", [RouteHashesRemoved(route_hashes=packed([H[4], H[7], 12345, H[2]]))])
+    assert index.overlaps(H) == {"a": 2, "b": 5}
+    assert index.num_blocks("a") == 2 and index.num_blocks("b") == 5
+    assert index.num_distinct_blocks() == 5
+    index.apply_batch("b", [RouteHashesRemoved(route_hashes=packed(H[:5]))])
+    assert index.overlaps(H) == {"a": 2}
+    assert index.num_distinct_blocks() == 2
 
 
 def test_two_engine_blocks_with_one_content_hold_it_until_both_go():
