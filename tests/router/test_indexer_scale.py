@@ -44,8 +44,11 @@ def test_block_table_matches_a_dict_through_growth_and_tombstones():
         rng.shuffle(keys)
         free_before = set(range(table.id_capacity)) - set(truth.values())
         ids = table.add(keys).tolist()
-        new = [k for k in dict.fromkeys(keys.tolist()) if k not in truth]
-        new_ids = [ids[keys.tolist().index(k)] for k in new]
+        first_id: dict[int, int] = {}  # each key's id where it first comes
+        for key, got in zip(keys.tolist(), ids, strict=True):
+            first_id.setdefault(key, got)
+        new = [k for k in first_id if k not in truth]
+        new_ids = [first_id[k] for k in new]
         assert len(set(new_ids)) == len(new) and not set(new_ids) & set(truth.values())
         assert set(new_ids) <= free_before | set(range(table.id_capacity))
         truth.update(zip(new, new_ids, strict=True))
@@ -61,6 +64,28 @@ def test_block_table_matches_a_dict_through_growth_and_tombstones():
         assert table.ids(probe).tolist() == expected
         assert table.leading_ids_short(probe[:50].tolist()) == expected[:50]
     assert table.id_capacity < 4 * len(truth)  # freed ids are reused
+
+
+@pytest.mark.parametrize("few", [0, 10**9])  # every key placed by numpy, or by Python
+def test_small_key_spaces_with_many_repeats_match_a_dict(monkeypatch, few):
+    """Keys drawn from a few hundred, so most batches repeat keys, add known ones and take
+    back tombstones: both ways of probing and placing the last keys hand out a dict's ids."""
+    monkeypatch.setattr(block_table, "_FEW", few)
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        table, truth = BlockTable(), {}
+        space = rng.integers(0, 2**64, int(rng.integers(50, 800)), np.uint64, endpoint=False)
+        for _ in range(15):
+            keys = space[rng.integers(0, len(space), int(rng.integers(1, 2000)))]
+            for key, got in zip(keys.tolist(), table.add(keys).tolist(), strict=True):
+                assert truth.setdefault(key, got) == got
+            assert len(set(truth.values())) == len(truth) == table.live
+            gone = space[rng.integers(0, len(space), int(rng.integers(1, 300)))]
+            gone = gone[table.ids(gone) >= 0]
+            table.remove(table.ids(gone))
+            for key in set(gone.tolist()):
+                del truth[key]
+            assert table.ids(space).tolist() == [truth.get(k, -1) for k in space.tolist()]
 
 
 def test_new_keys_get_consecutive_ids_in_the_order_they_come():
