@@ -105,6 +105,7 @@ class RouterService:
             known = [w for w in offered if self._client.instance(w) is not None]
             if not known:
                 raise LookupError(f"none of the {len(offered)} workers offered is known here")
+            self.sync.catch_up()  # the frontends' first tokens and ends that came meanwhile
             return self.router.place(
                 known, hashes, request.prompt_tokens, request.request_id, request.replica_id
             )
