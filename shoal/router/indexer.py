@@ -50,7 +50,7 @@ from shoal.route_events import Change, EventTranslator
 from shoal.router.block_table import BlockTable
 
 FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a lookup
-SHORT_PROMPT_BLOCKS = 256  # prompts up to this many blocks are looked up without numpy
+SHORT_PROMPT_BLOCKS = 96  # prompts up to this many blocks are looked up without numpy
 _DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
 
 
