@@ -177,15 +177,14 @@ def wire_batches(
 ) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]], float]:
     """The build's and the churn's batches (churn() in events) as a worker publishes them
     in this format, encoded; and the seconds the workers spent translating them (shoal)."""
-    translators: dict[str, EventTranslator] = {}
+    publish = publisher()
     translating = 0.0
 
     def encoded(worker: str, events: list) -> tuple[str, bytes]:
         nonlocal translating
         if events_format == "shoal":
             t0 = time.perf_counter()
-            translator = translators.setdefault(worker, EventTranslator(worker))
-            events = as_route_events(translator.translate(events))
+            events = publish(worker, events)
             translating += time.perf_counter() - t0
         return worker, ENCODER.encode(KVEventBatch(ts=0.0, events=events))
 

@@ -144,7 +144,6 @@ class KvIndexer:
         # (worker, block) changes not yet in the table and masks: (router hashes, column, held)
         self._queued: list[tuple[np.ndarray | list[int], int, bool]] = []
         self._queued_ops = 0
-        self._queued_removals = 0  # of those ops
         self.lower: KvIndexer | None = (
             KvIndexer(lower_tiers=False, _columns=self._columns) if lower_tiers else None
         )
@@ -339,8 +338,6 @@ class KvIndexer:
     def _queue(self, column: int, keys: np.ndarray | list[int], held: bool) -> None:
         self._queued.append((keys, column, held))
         self._queued_ops += len(keys)
-        if not held:
-            self._queued_removals += len(keys)
 
     def _flush_if_full(self) -> None:
         if self._queued_ops >= FLUSH_OPS:
@@ -371,10 +368,9 @@ class KvIndexer:
         (lookups do it first)."""
         if not self._queued:
             return
-        queued, self._queued = self._queued, []
-        stores = self._queued_ops - self._queued_removals
-        self._queued_ops = self._queued_removals = 0
+        queued, self._queued, self._queued_ops = self._queued, [], 0
         lengths = [len(keys) for keys, _, _ in queued]
+        stores = sum(n for n, (_, _, held) in zip(lengths, queued, strict=True) if held)
         keys = np.concatenate([_u64(keys) for keys, _, _ in queued])
         cols = np.repeat(np.array([column for _, column, _ in queued], np.int64), lengths)
         if stores == len(keys):  # stores alone (as while a worker fills its cache)
