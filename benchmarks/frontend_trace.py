@@ -4,7 +4,7 @@
 
 Wraps, before running the module, the functions a request and its outputs pass through: in
 the frontend the HTTP bytes' arrival (uvicorn), the generation route's call and each body
-write; in both processes every request-plane message sent or received (LoopSocket); in the
+write; in both processes every request-plane message sent or received (FrameProtocol); in the
 worker the engine thread's taking a request, each step's start, the hand-over of a step's
 outputs and the event loop's dispatch of them. Each timestamp is time.perf_counter
 (CLOCK_MONOTONIC: one clock for every process of the host); at exit the process writes
@@ -55,17 +55,17 @@ def install(out_dir: str, role: str) -> None:
             json.dump(stamps, f)
 
     atexit.register(dump)
-    from shoal.runtime import zmq_loop
+    from shoal.runtime import frame_stream
 
-    sock = zmq_loop.LoopSocket
+    sock = frame_stream.FrameProtocol
     init, send = sock.__init__, sock.send
 
-    def traced_init(self, zsock, on_frames, **kwargs) -> None:
+    def traced_init(self, on_frames, on_lost) -> None:
         def received(frames: list[bytes]) -> None:
             stamp("recv", sum(map(len, frames)))
             on_frames(frames)
 
-        init(self, zsock, received, **kwargs)
+        init(self, received, on_lost)
 
     def traced_send(self, frames: list[bytes]) -> bool:
         stamp("send", sum(map(len, frames)))

@@ -84,7 +84,6 @@ class DistributedRuntime:
             advertise_host=advertise_host,
             max_streams=max_streams,
             dead_after=dead_after,
-            heartbeat_interval=heartbeat_interval,
             secret=plane_secret,
         )
         self._removal_probe = removal_probe

@@ -1,4 +1,4 @@
-"""Request plane, client side: one ZMQ DEALER connection per worker, many streams over each.
+"""Request plane, client side: one TCP connection per worker, many streams over each.
 
 A connection is lost (every open stream fails with WorkerLostError, and the connection is
 dropped so the next request opens a fresh one) when the TCP link closes or a connection
@@ -23,8 +23,6 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
-import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from shoal.protocol import (
     Heartbeat,
@@ -45,8 +43,8 @@ from shoal.runtime.errors import (
     WorkerLostError,
     remote_error,
 )
-from shoal.runtime.request_server import DEFAULT_DEAD_AFTER, set_heartbeats
-from shoal.runtime.zmq_loop import LoopSocket
+from shoal.runtime.frame_stream import FrameConnection
+from shoal.runtime.request_server import DEFAULT_DEAD_AFTER
 
 log = logging.getLogger(__name__)
 
@@ -259,22 +257,14 @@ def _cancel_stream(ref: weakref.ref[ResponseStream[Any]], _task: asyncio.Task[An
 
 
 class _Connection:
-    """One DEALER socket to one worker, multiplexing streams by request id."""
+    """One TCP connection to one worker, multiplexing streams by request id."""
 
     def __init__(self, client: RequestClient, address: str) -> None:
         self.client = client
         self.address = address
         self.loop = asyncio.get_running_loop()
-        sock = client.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
         # Memory is bounded by the credit windows of open streams, not by dropping frames.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        set_heartbeats(sock, client.heartbeat_interval, client.dead_after)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        sock.connect(address)
-        self.sock = LoopSocket(sock, self._on_frames)
-        self.monitor = LoopSocket(monitor, self._on_monitor)
+        self.link = FrameConnection(address, self._on_frames, self.lose)
         self.decode_frame = decoder(ServerFrame).decode
         self.signer = client.signer
         self.streams: dict[int, ResponseStream[Any]] = {}
@@ -308,7 +298,7 @@ class _Connection:
 
     def send(self, frames: list[bytes]) -> None:
         if not self.closed:
-            self.sock.send(frames if self.signer is None else self.signer.sign(frames))
+            self.link.send(frames if self.signer is None else self.signer.sign(frames))
 
     def send_credit(self, rid: int, n: int) -> None:
         self.send([ENCODER.encode(StreamCredit(rid, n))])
@@ -329,7 +319,7 @@ class _Connection:
             return
         log.warning("request plane: worker at %s lost: %s", self.address, reason)
         self._finish_all(WorkerLostError(self.address, reason))
-        self.close(linger_ms=0)
+        self.close(flush=False)
 
     def shutdown(self) -> None:
         """Cancel every open stream on the worker and close (the client is closing)."""
@@ -338,7 +328,7 @@ class _Connection:
         for rid in self.streams:
             self.send([ENCODER.encode(StreamCancel(rid))])
         self._finish_all(RuntimePlaneError("request client closed"))
-        self.close(linger_ms=200)
+        self.close(flush=True)
 
     def _finish_all(self, error: BaseException) -> None:
         streams = list(self.streams.values())
@@ -347,15 +337,14 @@ class _Connection:
         for stream in streams:
             stream._finish(error)
 
-    def close(self, linger_ms: int) -> None:
+    def close(self, flush: bool) -> None:
+        """Close the connection; the messages sent so far leave first if `flush`."""
         self.closed = True
         current = asyncio.current_task()
         for task in self.tasks:
             if task is not current:
                 task.cancel()
-        self.sock.sock.disable_monitor()
-        self.monitor.close()
-        self.sock.close(linger_ms)
+        self.link.close(flush)
         self.client._forget(self)
 
     def _on_frames(self, frames: list[bytes]) -> None:
@@ -437,13 +426,6 @@ class _Connection:
             self.cancel(rid)
         return stream
 
-    def _on_monitor(self, frames: list[bytes]) -> None:
-        event = parse_monitor_message(frames)["event"]
-        if event == zmq.EVENT_DISCONNECTED:
-            self.lose("connection closed")
-        elif event == zmq.EVENT_CONNECT_RETRIED:  # nothing listens there: the worker is gone
-            self.lose("connection refused")
-
     async def _heartbeat(self) -> None:
         interval = self.client.heartbeat_interval
         timeout = self.client.dead_after
@@ -477,7 +459,6 @@ class RequestClient:
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         dead_after: float = DEFAULT_DEAD_AFTER,
         secret: str | bytes | None = None,
-        context: zmq.Context | None = None,
     ) -> None:
         """window: responses in flight per stream; heartbeat_interval: seconds between
         heartbeats; dead_after: seconds of total silence from a worker with open streams
@@ -488,7 +469,6 @@ class RequestClient:
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
         self.signer = make_signer(secret)
-        self.context = context or zmq.Context.instance()
         self._conns: dict[str, _Connection] = {}
 
     def stream(

@@ -1,4 +1,4 @@
-"""Request plane, server side: one ZMQ ROUTER socket serving any number of streaming endpoints.
+"""Request plane, server side: one TCP listener serving any number of streaming endpoints.
 
 Each stream of a pull endpoint runs its handler (an async iterator) in its own task, under a
 credit window (the client grants more as its consumer reads), so a slow consumer pauses the
@@ -23,8 +23,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from shoal.protocol import (
     ClientFrame,
@@ -41,7 +39,7 @@ from shoal.runtime.addressing import EndpointAddress
 from shoal.runtime.auth import make_signer
 from shoal.runtime.codec import ENCODER, decoder
 from shoal.runtime.errors import SHUTDOWN_CODE, InstanceUnavailableError
-from shoal.runtime.zmq_loop import LoopSocket
+from shoal.runtime.frame_stream import FrameServer
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,6 @@ PushHandler = Callable[[Any, "StreamSink"], None]
 
 DEFAULT_MAX_STREAMS = 4096
 DEFAULT_DEAD_AFTER = 60.0  # seconds of silence after which a connected peer counts as dead
-DEFAULT_HEARTBEAT_INTERVAL = 1.0
 MAX_WINDOW = 1 << 16
 # header frame types and how many frames (header included, peer and MAC not) each must have
 _FRAME_COUNTS = {StreamOpen: 2, StreamCredit: 1, StreamCancel: 1, Heartbeat: 1}
@@ -140,8 +137,8 @@ class RequestServer:
 
     A client's streams are cancelled when its connection closes, never because it is merely
     slow: only `dead_after` seconds without a single frame (it heartbeats every second while
-    connected) count as death. `secret`, if set, is the plane secret every frame must be
-    signed with (see shoal.runtime.auth).
+    connected) count as death, and close its connection. `secret`, if set, is the plane
+    secret every frame must be signed with (see shoal.runtime.auth).
     """
 
     def __init__(
@@ -152,9 +149,7 @@ class RequestServer:
         advertise_host: str | None = None,
         max_streams: int = DEFAULT_MAX_STREAMS,
         dead_after: float = DEFAULT_DEAD_AFTER,
-        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         secret: str | bytes | None = None,
-        context: zmq.Context | None = None,
     ) -> None:
         if host in ("0.0.0.0", "*") and advertise_host is None:
             raise ValueError("binding every interface needs advertise_host for discovery")
@@ -163,17 +158,13 @@ class RequestServer:
         self._advertise_host = advertise_host or host
         self._max_streams = max_streams
         self._dead_after = dead_after
-        self._heartbeat_interval = heartbeat_interval
         self._signer = make_signer(secret)
-        self._context = context or zmq.Context.instance()
         self._endpoints: dict[str, _Endpoint] = {}
         self._peers: dict[bytes, dict[int, StreamSink]] = {}
         self._last_seen: dict[bytes, float] = {}
-        self._fd_peer: dict[int, bytes] = {}  # connection file descriptor -> its peer
         self._num_streams = 0
         self._closing = False
-        self._sock: LoopSocket | None = None
-        self._monitor: LoopSocket | None = None
+        self._frames: FrameServer | None = None
         self._janitor_task: asyncio.Task[None] | None = None
         self._decode_frame = decoder(ClientFrame).decode
         self._address = ""
@@ -194,23 +185,17 @@ class RequestServer:
         return self._num_streams
 
     async def start(self) -> str:
-        """Bind the socket and start serving; returns the address."""
-        if self._sock is not None:
+        """Listen and start serving; returns the address."""
+        if self._frames is not None:
             return self._address
         self._closing = False
         self._loop = asyncio.get_running_loop()
-        sock = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Memory is bounded by credit windows and max_streams, not by dropping frames.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        set_heartbeats(sock, self._heartbeat_interval, self._dead_after)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.bind(f"tcp://{self._host}:{self._port or '*'}")
-        port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-        self._sock = LoopSocket(sock, self._on_frames, track_source=True)
-        self._monitor = LoopSocket(monitor, self._on_monitor)
-        self._address = f"tcp://{self._advertise_host}:{port}"
+        frames = FrameServer(self._on_frames, self._on_gone)
+        port = await frames.start(self._host, self._port)
+        self._frames = frames
+        host = self._advertise_host
+        self._address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         self._janitor_task = asyncio.create_task(self._janitor(), name="request-server-janitor")
         return self._address
 
@@ -243,7 +228,7 @@ class RequestServer:
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         """Refuse new streams, drain open ones for up to drain_timeout, then close."""
-        if self._sock is None:
+        if self._frames is None:
             return
         self._closing = True
         streams = [st for streams in self._peers.values() for st in streams.values()]
@@ -251,12 +236,8 @@ class RequestServer:
         if self._janitor_task is not None:
             self._janitor_task.cancel()
             await asyncio.gather(self._janitor_task, return_exceptions=True)
-        if self._monitor is not None:
-            self._sock.sock.disable_monitor()
-            self._monitor.close()
-            self._monitor = None
-        self._sock.close(linger_ms=500)
-        self._sock = None
+        frames, self._frames = self._frames, None
+        await frames.close()
 
     async def _drain(self, streams: list[StreamSink], timeout: float) -> None:
         tasks = [st.task for st in streams if st.task is not None]
@@ -305,25 +286,17 @@ class RequestServer:
         return self._send_now(frames)
 
     def _send_now(self, frames: list[bytes]) -> bool:
-        """Queue [peer, *frames] (signed when a secret is set); False if the peer is gone.
+        """Send [peer, *frames] (signed when a secret is set); False if the peer is gone.
 
-        Sends never block (HWM 0).
+        Sends never block.
         """
-        if self._sock is None:
+        if self._frames is None:
             return False
-        if self._signer is not None:
-            frames = [frames[0], *self._signer.sign(frames[1:])]
-        return self._sock.send(frames)
+        body = frames[1:] if self._signer is None else self._signer.sign(frames[1:])
+        return self._frames.send(frames[0], body)
 
-    def _on_frames(self, frames: list[bytes]) -> None:
-        if len(frames) < 2:
-            return
-        peer = frames[0]
+    def _on_frames(self, peer: bytes, body: list[bytes]) -> None:
         self._last_seen[peer] = time.monotonic()
-        fd = self._sock.source_fd  # type: ignore[union-attr]
-        if fd >= 0:
-            self._fd_peer[fd] = peer
-        body = frames[1:]
         if self._signer is not None:
             checked = self._signer.verify(body)
             if checked is None:
@@ -383,15 +356,12 @@ class RequestServer:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _on_monitor(self, frames: list[bytes]) -> None:
-        event = parse_monitor_message(frames)
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            peer = self._fd_peer.pop(event["value"], None)
-            if peer is not None:
-                self._last_seen.pop(peer, None)
-                if peer in self._peers:
-                    log.info("client %r disconnected: cancelling its streams", peer)
-                    self._drop_peer(peer)
+    def _on_gone(self, peer: bytes) -> None:
+        """A client's connection closed: its streams are cancelled."""
+        self._last_seen.pop(peer, None)
+        if peer in self._peers:
+            log.info("client %r disconnected: cancelling its streams", peer)
+            self._drop_peer(peer)
 
     def _find(self, peer: bytes, rid: int) -> StreamSink | None:
         streams = self._peers.get(peer)
@@ -512,17 +482,5 @@ class RequestServer:
                         self._dead_after,
                     )
                     self._drop_peer(peer)
-            live = set(self._last_seen)
-            for fd in [fd for fd, peer in self._fd_peer.items() if peer not in live]:
-                del self._fd_peer[fd]
-
-
-def set_heartbeats(sock: zmq.Socket, interval: float, dead_after: float) -> None:
-    """ZMTP heartbeats: ping every `interval`; drop the connection after `dead_after` silent.
-
-    They find a peer whose host vanished without closing TCP; a peer that is merely slow
-    (its process stopped, its loop busy) is not dropped before `dead_after`.
-    """
-    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval * 1000)))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(dead_after * 1000)))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(dead_after * 1000)))
+                if self._frames is not None:
+                    self._frames.disconnect(peer)

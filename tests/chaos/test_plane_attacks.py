@@ -9,10 +9,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
 from chaos_helpers import Worker, client, collect, request
-from runtime_helpers import free_port, reap, run, spawn
+from runtime_helpers import RawPlane, free_port, reap, run, spawn
 
 from shoal.protocol import (
     GENERATE_ENDPOINT,
@@ -57,7 +55,7 @@ def crafted() -> list[bytes]:
     return [ENCODER.encode(r) for r in requests] + [ENCODE(too_wide)]
 
 
-async def stream_raw(raw: zmq.asyncio.Socket, rid: int, payload: bytes) -> list[object]:
+async def stream_raw(raw: RawPlane, rid: int, payload: bytes) -> list[object]:
     """Open stream `rid` with a raw payload; every message until its end."""
     await raw.send_multipart([ENCODE(StreamOpen(rid, GENERATE_ENDPOINT, 64)), payload])
     decode = msgspec.msgpack.Decoder(ServerFrame).decode
@@ -92,8 +90,7 @@ def test_garbage_and_crafted_frames_on_every_socket(worker: Worker) -> None:
                 for payload in junk:
                     await asyncio.to_thread(blast, host_port, payload)
 
-            raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-            raw.connect(instance.address)
+            raw = await RawPlane.connect(instance.address)
             for frames in ([b"\xc1"], [b"", b"", b"", b""], [ENCODE([1, 2, 3, 4, 5])]):
                 await raw.send_multipart(frames)
                 reply = await asyncio.wait_for(raw.recv_multipart(), 10)
@@ -105,7 +102,7 @@ def test_garbage_and_crafted_frames_on_every_socket(worker: Worker) -> None:
                 assert isinstance(ended, StreamEnd | StreamError), got
                 if isinstance(ended, StreamEnd):
                     assert got[0].finish_reason == "error" and got[0].error, got
-            raw.close(linger=0)
+            raw.close()
 
             assert worker.proc.poll() is None
             assert await asyncio.to_thread(worker.health) == 200

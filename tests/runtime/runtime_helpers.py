@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -24,6 +25,34 @@ from shoal.runtime import RequestServer
 ENDPOINT = "test.worker.generate"
 WORKER = Path(__file__).with_name("worker_proc.py")
 REPO = Path(__file__).resolve().parents[2]
+
+
+class RawPlane:
+    """A bare request-plane connection that speaks the wire format itself (the magic, the
+    frame count, each frame's length, the frames), for tests that craft messages."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def connect(cls, address: str) -> RawPlane:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        return cls(*await asyncio.open_connection(host, int(port)))
+
+    async def send_multipart(self, frames: list[bytes]) -> None:
+        lengths = struct.pack(f"<{len(frames)}I", *map(len, frames))
+        self.writer.write(b"\xb5\x01" + struct.pack("<H", len(frames)) + lengths + b"".join(frames))
+        await self.writer.drain()
+
+    async def recv_multipart(self) -> list[bytes]:
+        magic, count = struct.unpack("<2sH", await self.reader.readexactly(4))
+        assert magic == b"\xb5\x01", magic
+        lengths = struct.unpack(f"<{count}I", await self.reader.readexactly(4 * count))
+        return [await self.reader.readexactly(n) for n in lengths]
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def run(coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:

@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import pytest
 import zmq
-import zmq.asyncio
-from runtime_helpers import ENDPOINT, count_up, run, serving, wait_until
+from runtime_helpers import ENDPOINT, RawPlane, count_up, run, serving, wait_until
 
 from shoal.protocol import (
     EngineOutput,
@@ -44,7 +43,7 @@ def request(rid: str = "r", max_tokens: int = 5) -> EngineRequest:
     )
 
 
-async def answer(raw: zmq.asyncio.Socket, frames: list[bytes]) -> list[bytes]:
+async def answer(raw: RawPlane, frames: list[bytes]) -> list[bytes]:
     await raw.send_multipart(frames)
     return await asyncio.wait_for(raw.recv_multipart(), 5)
 
@@ -52,8 +51,7 @@ async def answer(raw: zmq.asyncio.Socket, frames: list[bytes]) -> list[bytes]:
 def test_crafted_frames_get_error_replies_and_the_server_keeps_serving() -> None:
     async def main() -> None:
         server = await serving()
-        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        raw.connect(server.address)
+        raw = await RawPlane.connect(server.address)
         good = ENCODE(request("raw"))
         cases = [
             ([b"\xc1garbage"], "bad_request"),  # not msgpack
@@ -76,7 +74,7 @@ def test_crafted_frames_get_error_replies_and_the_server_keeps_serving() -> None
         # a stream id at the top of uint64, for an endpoint nobody serves
         reply = await answer(raw, [b"\x94\x01\xcf" + b"\xff" * 8 + b"\xa1x\x01", good])
         assert isinstance(SERVER_FRAME.decode(reply[0]), StreamError)
-        raw.close(linger=0)
+        raw.close()
 
         client = RequestClient()
         outs = [o async for o in client.stream(server.address, ENDPOINT, request(), EngineOutput)]
@@ -90,8 +88,7 @@ def test_crafted_frames_get_error_replies_and_the_server_keeps_serving() -> None
 def test_negative_credit_ends_the_stream_instead_of_stalling_it() -> None:
     async def main() -> None:
         server = await serving()
-        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        raw.connect(server.address)
+        raw = await RawPlane.connect(server.address)
         await raw.send_multipart([ENCODE(StreamOpen(1, ENDPOINT, 1)), ENCODE(request("c", 50))])
         first = await asyncio.wait_for(raw.recv_multipart(), 5)
         assert len(first) == 2  # StreamData + payload; the window of 1 is used up
@@ -100,7 +97,7 @@ def test_negative_credit_ends_the_stream_instead_of_stalling_it() -> None:
         header = SERVER_FRAME.decode(reply[0])
         assert isinstance(header, StreamError) and header.code == "bad_request"
         await wait_until(lambda: server.num_streams == 0, timeout=2)
-        raw.close(linger=0)
+        raw.close()
         await server.stop()
 
     run(main())
@@ -172,12 +169,11 @@ def test_server_cancels_streams_of_a_disconnected_client_at_once() -> None:
                 cleaned.set()
 
         server = await serving(hold)  # dead_after stays 60 s: only the disconnect can do it
-        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        raw.connect(server.address)
+        raw = await RawPlane.connect(server.address)
         await raw.send_multipart([ENCODE(StreamOpen(1, ENDPOINT, 8)), ENCODE(request())])
         await asyncio.wait_for(raw.recv_multipart(), 5)
         assert server.num_streams == 1
-        raw.close(linger=0)
+        raw.close()
         await asyncio.wait_for(cleaned.wait(), 3)
         await wait_until(lambda: server.num_streams == 0, timeout=2)
         await server.stop()
@@ -204,14 +200,13 @@ def test_plane_secret_on_the_request_plane() -> None:
             await wrong.close()
 
         # a forged frame with a bad MAC is refused; the server keeps serving
-        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        raw.connect(server.address)
+        raw = await RawPlane.connect(server.address)
         frames = [ENCODE(StreamOpen(9, ENDPOINT, 8)), ENCODE(request())]
         reply = await answer(raw, [*frames, b"\x00" * 32])
         header = SERVER_FRAME.decode(reply[0])
         assert isinstance(header, StreamError) and header.code == "unauthorized"
         assert FrameSigner("s3cret").verify(reply) is not None  # server replies are signed
-        raw.close(linger=0)
+        raw.close()
         outs = [o async for o in good.stream(server.address, ENDPOINT, request(), EngineOutput)]
         assert len(outs) == 5
         await good.close()

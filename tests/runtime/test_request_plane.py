@@ -11,9 +11,16 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
-import zmq
-import zmq.asyncio
-from runtime_helpers import ENDPOINT, count_up, reap, run, serving, spawn, wait_until
+from runtime_helpers import (
+    ENDPOINT,
+    RawPlane,
+    count_up,
+    reap,
+    run,
+    serving,
+    spawn,
+    wait_until,
+)
 
 from shoal.protocol import (
     EngineOutput,
@@ -280,9 +287,8 @@ def test_wire_frames_are_msgspec_and_never_pickle(monkeypatch: pytest.MonkeyPatc
 
     async def main() -> None:
         server = await serving()
-        # a bare DEALER that speaks the protocol with msgspec alone
-        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        raw.connect(server.address)
+        # a bare connection that speaks the protocol with msgspec alone
+        raw = await RawPlane.connect(server.address)
         encoder = msgspec.msgpack.Encoder()
         # the prompt as the wire carries it: one bin of little-endian u32
         body = {"request_id": "raw", "prompt_token_ids": struct.pack("<3I", 1, 2, 3)}
@@ -306,7 +312,7 @@ def test_wire_frames_are_msgspec_and_never_pickle(monkeypatch: pytest.MonkeyPatc
                 assert len(frames) == 1 and len(header.payloads) == len(header.rids)
                 outs += [output_dec.decode(payload) for payload in header.payloads]
         assert [o.new_token_ids[0] for o in outs] == [0, 1, 2, 3, 4]
-        raw.close(linger=0)
+        raw.close()
 
         client = RequestClient()
         outs = [o async for o in client.stream(server.address, ENDPOINT, request(), EngineOutput)]

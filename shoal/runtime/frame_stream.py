@@ -1,0 +1,272 @@
+"""The request plane's transport: multipart messages over TCP, read and written by the
+asyncio loop itself.
+
+A message is a magic, a frame count and each frame's length (`<2sH` then `<I` per frame),
+then the frames. A process's loop writes a message straight into its socket and the peer's
+loop reads it when epoll wakes it: one wake-up a hop. ZMQ, which carried the plane before,
+passes every message through an I/O thread on each side: three wake-ups, about 0.14 ms one
+way between two idle processes on the dev machine against 0.01 ms here.
+
+A connection that sends anything other than well-formed messages (a wrong magic, more than
+MAX_FRAMES frames, more than MAX_MESSAGE_BYTES) is closed; nothing else on the server is
+touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import struct
+from collections.abc import Callable
+from typing import cast
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"\xb5\x01"  # the plane's magic and wire version
+MAX_FRAMES = 64
+MAX_MESSAGE_BYTES = 1 << 30
+CLOSE_LINGER_S = 0.5  # how long a closing server waits for its peers to take what it sent
+_HEAD = struct.Struct("<2sH")
+_LENGTHS = [struct.Struct(f"<{n}I") for n in range(MAX_FRAMES + 1)]
+
+OnFrames = Callable[[list[bytes]], None]
+OnLost = Callable[[str], None]
+
+
+def encode_message(frames: list[bytes]) -> bytes:
+    """One message's bytes on the wire."""
+    return b"".join(
+        (_HEAD.pack(MAGIC, len(frames)), _LENGTHS[len(frames)].pack(*map(len, frames)), *frames)
+    )
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) of `tcp://host:port` (an IPv6 host in brackets)."""
+    rest = address.removeprefix("tcp://")
+    if rest == address:
+        raise ValueError(f"request-plane address must be tcp://host:port, got {address!r}")
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"request-plane address must be tcp://host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class FrameProtocol(asyncio.Protocol):
+    """One TCP connection's messages: each complete one goes to `on_frames`; `on_lost` is
+    told once why the connection ended (closed by the peer, malformed input, or by us)."""
+
+    def __init__(self, on_frames: OnFrames, on_lost: OnLost) -> None:
+        self._on_frames = on_frames
+        self._on_lost: OnLost | None = on_lost
+        self._buffer = bytearray()
+        self._need = 4  # bytes the buffer must hold before a message can be complete
+        self.transport: asyncio.Transport | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lose("connection closed" if exc is None else f"connection closed: {exc}")
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Write one message (never blocks: what the socket does not take is buffered);
+        False if the connection is closed or closing."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        transport.write(encode_message(frames))
+        return True
+
+    def close(self, flush: bool = True) -> None:
+        """Close the connection, after sending what is buffered if `flush`."""
+        if self.transport is not None:
+            if flush:
+                self.transport.close()
+            else:
+                self.transport.abort()
+        self._lose("closed here")
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        if buffer:
+            buffer += data
+            if len(buffer) < self._need:
+                return
+            data = buffer
+        elif len(data) < self._need:
+            buffer += data
+            return
+        taken = self._messages(data)
+        if taken < 0:
+            return
+        if data is buffer:
+            if taken:
+                del buffer[:taken]
+        elif taken < len(data):
+            buffer += memoryview(data)[taken:]
+
+    def _messages(self, data: bytes | bytearray) -> int:
+        """Hand every complete message in `data` over; the bytes they took (-1: the
+        connection was closed)."""
+        view = memoryview(data)
+        end = len(data)
+        at = 0
+        try:
+            while end - at >= 4:
+                magic, count = _HEAD.unpack_from(view, at)
+                if magic != MAGIC or not 1 <= count <= MAX_FRAMES:
+                    self._refuse("not a request-plane message")
+                    return -1
+                first = at + 4 + 4 * count
+                if end < first:
+                    self._need = first - at
+                    break
+                lengths = _LENGTHS[count].unpack_from(view, at + 4)
+                size = sum(lengths)
+                if size > MAX_MESSAGE_BYTES:
+                    self._refuse(f"a message of {size} bytes")
+                    return -1
+                if end < first + size:
+                    self._need = first + size - at
+                    break
+                frames = []
+                for length in lengths:
+                    frames.append(bytes(view[first : first + length]))
+                    first += length
+                at = first
+                self._need = 4
+                self._on_frames(frames)
+                if self._on_lost is None:  # the handler closed the connection
+                    return -1
+            return at
+        finally:
+            view.release()
+
+    def _refuse(self, why: str) -> None:
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        log.warning("request plane: closing the connection from %s: %s", peer, why)
+        self.close(flush=False)
+
+    def _lose(self, reason: str) -> None:
+        on_lost, self._on_lost = self._on_lost, None
+        self._buffer = bytearray()
+        if on_lost is not None:
+            on_lost(reason)
+
+
+class FrameConnection:
+    """A client's connection to one server: connects in the background, and messages sent
+    before it is up leave once it is. `on_lost` is told once why it ended ("connection
+    refused" if it never came up)."""
+
+    def __init__(self, address: str, on_frames: OnFrames, on_lost: OnLost) -> None:
+        host, port = parse_address(address)
+        self._on_lost: OnLost | None = on_lost
+        self._protocol = FrameProtocol(on_frames, self._lost)
+        self._waiting: list[list[bytes]] | None = []
+        self._task = asyncio.get_running_loop().create_task(
+            self._connect(host, port), name=f"request-plane connect {address}"
+        )
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Send one message, or queue it until the connection is up; False once it ended."""
+        if self._waiting is not None:
+            if self._on_lost is None:
+                return False
+            self._waiting.append(frames)
+            return True
+        return self._protocol.send(frames)
+
+    def close(self, flush: bool = True) -> None:
+        """Close; what was sent leaves first if `flush` (and the connection is up)."""
+        self._on_lost = None
+        if self._waiting is not None:
+            self._waiting = None
+            self._task.cancel()
+        self._protocol.close(flush)
+
+    async def _connect(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.create_connection(lambda: self._protocol, host, port)
+        except OSError as exc:
+            self._lost(f"connection refused ({exc.strerror or exc})")
+            return
+        waiting, self._waiting = self._waiting or [], None
+        for frames in waiting:
+            self._protocol.send(frames)
+
+    def _lost(self, reason: str) -> None:
+        on_lost, self._on_lost = self._on_lost, None
+        if on_lost is not None:
+            on_lost(reason)
+
+
+class FrameServer:
+    """Accepts connections on host:port; each is a peer named by 8 bytes that are never
+    reused. `on_frames(peer, frames)` gets every message, `on_gone(peer)` the end of each
+    connection."""
+
+    def __init__(
+        self,
+        on_frames: Callable[[bytes, list[bytes]], None],
+        on_gone: Callable[[bytes], None],
+    ) -> None:
+        self._on_frames = on_frames
+        self._on_gone = on_gone
+        self._peers: dict[bytes, FrameProtocol] = {}
+        self._ids = itertools.count(1)
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; the port bound (`port` 0 picks a free one)."""
+        bind = None if host in ("0.0.0.0", "*") else host
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._accept, bind, port, reuse_address=True)
+        return self._server.sockets[0].getsockname()[1]
+
+    def send(self, peer: bytes, frames: list[bytes]) -> bool:
+        """Send one message to `peer`; False if it is not connected."""
+        protocol = self._peers.get(peer)
+        return protocol is not None and protocol.send(frames)
+
+    def disconnect(self, peer: bytes) -> None:
+        """Close the connection of `peer` (on_gone follows)."""
+        protocol = self._peers.get(peer)
+        if protocol is not None:
+            protocol.close(flush=False)
+
+    async def close(self) -> None:
+        """Stop listening and close every connection after what it has buffered."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        server.close()
+        for protocol in list(self._peers.values()):
+            protocol.close()
+        try:
+            await asyncio.wait_for(server.wait_closed(), CLOSE_LINGER_S)
+        except TimeoutError:  # a peer that does not read: drop what it was sent
+            for protocol in list(self._peers.values()):
+                protocol.close(flush=False)
+
+    def _accept(self) -> FrameProtocol:
+        peer = next(self._ids).to_bytes(8, "little")
+        on_frames = self._on_frames
+        protocol = FrameProtocol(lambda frames: on_frames(peer, frames), lambda _: self._gone(peer))
+        self._peers[peer] = protocol
+        return protocol
+
+    def _gone(self, peer: bytes) -> None:
+        if self._peers.pop(peer, None) is not None:
+            self._on_gone(peer)
