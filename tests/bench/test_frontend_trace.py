@@ -14,8 +14,8 @@ import sys
 sys.path.insert(0, {benchmarks!r})
 import frontend_trace
 frontend_trace.install({out!r}, {role!r})
-from shoal.runtime.zmq_loop import LoopSocket
-assert LoopSocket.send.__name__ == "traced_send"
+from shoal.runtime.frame_stream import FrameProtocol
+assert FrameProtocol.send.__name__ == "traced_send"
 if {role!r} == "worker":
     from shoal.engine.async_llm import AsyncLLM
     names = [AsyncLLM._apply, AsyncLLM._step, AsyncLLM._deliver, AsyncLLM._dispatch]
