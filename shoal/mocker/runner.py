@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import torch
 
 from shoal.engine.model_runner import RunnerOutput
 from shoal.engine.scheduler import SchedulerOutput
+from shoal.mocker.pacing import sleep_until
 from shoal.mocker.timing import TimingModel
 from shoal.protocol import TokenLogprob
 
@@ -85,10 +85,9 @@ class MockRunner:
     def pace(self, started: float) -> None:
         """Sleep until the step that began at `started` (time.perf_counter) has lasted its
         modelled time / speedup; host time already spent in the step counts towards it."""
-        left = started + self._owed - time.perf_counter()
+        deadline = started + self._owed
         self._owed = 0.0
-        if left > 0:
-            time.sleep(left)
+        sleep_until(deadline)
 
     def _logprob(self, token_id: int, num_top: int) -> TokenLogprob:
         """The token's logprob and rank under the uniform distribution, then the first

@@ -11,7 +11,7 @@ from tiny_models import VOCAB_SIZE
 
 from shoal.engine.config import EngineConfig
 from shoal.kv_hash import hash_blocks
-from shoal.mocker import runner as runner_module
+from shoal.mocker import pacing
 from shoal.mocker.engine import H100_8B_KV_TOKENS, MockEngine
 from shoal.mocker.timing import TimingModel
 from shoal.protocol import BlockStored, EngineOutput, EngineRequest, SamplingParams
@@ -166,7 +166,7 @@ def test_logprobs_are_those_of_the_uniform_distribution(mock_dir):
 def test_a_step_sleeps_its_modelled_time_over_speedup(mock_dir, monkeypatch):
     slept: list[float] = []
     clock = SimpleNamespace(perf_counter=time.perf_counter, sleep=slept.append)
-    monkeypatch.setattr(runner_module, "time", clock)
+    monkeypatch.setattr(pacing, "time", clock)
     # 1 s a step, far more than the host takes
     timing = TimingModel(1000.0, 0.0, 0.0, 0.0, 0.0)
     engine = MockEngine(EngineConfig(model=str(mock_dir)), timing, speedup=4.0)
@@ -183,3 +183,11 @@ def test_a_step_sleeps_its_modelled_time_over_speedup(mock_dir, monkeypatch):
 def test_speedup_must_be_positive(mock_dir):
     with pytest.raises(ValueError, match="speedup"):
         MockEngine(EngineConfig(model=str(mock_dir)), speedup=0.0)
+
+
+def test_pacing_ends_a_step_at_its_deadline_not_before():
+    start = time.perf_counter()
+    for step in range(1, 6):
+        pacing.sleep_until(start + step * 0.002)
+        assert time.perf_counter() >= start + step * 0.002
+    pacing.sleep_until(start)  # a deadline passed: no sleep
