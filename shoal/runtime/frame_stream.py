@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"\xb5\x01"  # the plane's magic and wire version
 MAX_FRAMES = 64
 MAX_MESSAGE_BYTES = 1 << 30
+SCRATCH_BYTES = 256 << 10  # a connection's read buffer for messages that fit in it
+LARGE_FRAME_BYTES = 64 << 10  # frames from this size on are not copied out of their message
 CLOSE_LINGER_S = 0.5  # how long a closing server waits for its peers to take what it sent
 _HEAD = struct.Struct("<2sH")
 _LENGTHS = [struct.Struct(f"<{n}I") for n in range(MAX_FRAMES + 1)]
@@ -53,15 +55,23 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class FrameProtocol(asyncio.Protocol):
+class FrameProtocol(asyncio.BufferedProtocol):
     """One TCP connection's messages: each complete one goes to `on_frames`; `on_lost` is
-    told once why the connection ended (closed by the peer, malformed input, or by us)."""
+    told once why the connection ended (closed by the peer, malformed input, or by us).
+
+    The socket reads into a scratch buffer of SCRATCH_BYTES, where small messages are cut
+    into frames (bytes). A message too large for it gets a buffer of its own, which the
+    socket then fills directly, and its frames of LARGE_FRAME_BYTES or more are handed over
+    as memoryviews of that buffer: a KV transfer's megabytes are copied once, by the
+    kernel."""
 
     def __init__(self, on_frames: OnFrames, on_lost: OnLost) -> None:
         self._on_frames = on_frames
         self._on_lost: OnLost | None = on_lost
-        self._buffer = bytearray()
-        self._need = 4  # bytes the buffer must hold before a message can be complete
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._fill = 0  # bytes of the scratch buffer not yet handed over
+        self._large: memoryview | None = None  # the message being read into its own buffer
+        self._large_fill = 0
         self.transport: asyncio.Transport | None = None
 
     @property
@@ -84,7 +94,13 @@ class FrameProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return False
-        transport.write(encode_message(frames))
+        if sum(map(len, frames)) < LARGE_FRAME_BYTES:
+            transport.write(encode_message(frames))
+        else:  # no joined copy of a large frame
+            count = len(frames)
+            transport.writelines(
+                [_HEAD.pack(MAGIC, count), _LENGTHS[count].pack(*map(len, frames)), *frames]
+            )
         return True
 
     def close(self, flush: bool = True) -> None:
@@ -96,61 +112,66 @@ class FrameProtocol(asyncio.Protocol):
                 self.transport.abort()
         self._lose("closed here")
 
-    def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        if buffer:
-            buffer += data
-            if len(buffer) < self._need:
-                return
-            data = buffer
-        elif len(data) < self._need:
-            buffer += data
-            return
-        taken = self._messages(data)
-        if taken < 0:
-            return
-        if data is buffer:
-            if taken:
-                del buffer[:taken]
-        elif taken < len(data):
-            buffer += memoryview(data)[taken:]
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._large is not None:
+            return self._large[self._large_fill :]
+        return self._scratch[self._fill :]
 
-    def _messages(self, data: bytes | bytearray) -> int:
-        """Hand every complete message in `data` over; the bytes they took (-1: the
-        connection was closed)."""
-        view = memoryview(data)
-        end = len(data)
-        at = 0
-        try:
-            while end - at >= 4:
-                magic, count = _HEAD.unpack_from(view, at)
-                if magic != MAGIC or not 1 <= count <= MAX_FRAMES:
-                    self._refuse("not a request-plane message")
-                    return -1
-                first = at + 4 + 4 * count
-                if end < first:
-                    self._need = first - at
-                    break
-                lengths = _LENGTHS[count].unpack_from(view, at + 4)
-                size = sum(lengths)
-                if size > MAX_MESSAGE_BYTES:
-                    self._refuse(f"a message of {size} bytes")
-                    return -1
-                if end < first + size:
-                    self._need = first + size - at
-                    break
-                frames = []
-                for length in lengths:
-                    frames.append(bytes(view[first : first + length]))
-                    first += length
-                at = first
-                self._need = 4
-                self._on_frames(frames)
-                if self._on_lost is None:  # the handler closed the connection
-                    return -1
-            return at
-        finally:
-            view.release()
+    def buffer_updated(self, nbytes: int) -> None:
+        large = self._large
+        if large is None:
+            self._fill += nbytes
+            self._cut()
+            return
+        self._large_fill += nbytes
+        if self._large_fill == len(large):
+            self._large = None
+            self._hand_over(large, 0, large=True)
+
+    def _cut(self) -> None:
+        """Hand over every complete message in the scratch buffer, then move what is left
+        of the next one to its start, or into a buffer of its own if it will not fit."""
+        scratch, fill, at = self._scratch, self._fill, 0
+        while fill - at >= 4:
+            magic, count = _HEAD.unpack_from(scratch, at)
+            if magic != MAGIC or not 1 <= count <= MAX_FRAMES:
+                self._refuse("not a request-plane message")
+                return
+            first = at + 4 + 4 * count
+            if fill < first:
+                break
+            size = first - at + sum(_LENGTHS[count].unpack_from(scratch, at + 4))
+            if size > MAX_MESSAGE_BYTES:
+                self._refuse(f"a message of {size} bytes")
+                return
+            if fill - at < size:
+                if size > len(scratch):
+                    self._large = memoryview(bytearray(size))
+                    self._large[: fill - at] = scratch[at:fill]
+                    self._large_fill = fill - at
+                    at = fill
+                break
+            if not self._hand_over(scratch, at, large=False):
+                return
+            at += size
+        if at:
+            scratch[: fill - at] = scratch[at:fill]
+            self._fill = fill - at
+
+    def _hand_over(self, buffer: memoryview, at: int, large: bool) -> bool:
+        """Give on_frames the message at `at` (whole and checked); False if the connection
+        was closed meanwhile."""
+        count = _HEAD.unpack_from(buffer, at)[1]
+        lengths = _LENGTHS[count].unpack_from(buffer, at + 4)
+        begin = at + 4 + 4 * count
+        frames: list[bytes] = []
+        for length in lengths:
+            end = begin + length
+            view = buffer[begin:end]
+            frames.append(view if large and length >= LARGE_FRAME_BYTES else bytes(view))  # type: ignore[arg-type]
+            begin = end
+        self._on_frames(frames)
+        return self._on_lost is not None
 
     def _refuse(self, why: str) -> None:
         peer = self.transport.get_extra_info("peername") if self.transport else None
@@ -159,7 +180,8 @@ class FrameProtocol(asyncio.Protocol):
 
     def _lose(self, reason: str) -> None:
         on_lost, self._on_lost = self._on_lost, None
-        self._buffer = bytearray()
+        self._fill = 0
+        self._large = None
         if on_lost is not None:
             on_lost(reason)
 
