@@ -272,7 +272,10 @@ class RequestServer:
 
     def _send_batch(self, peer: bytes, rids: list[int], responses: list[Any]) -> None:
         if len(rids) == 1:
-            frames = [peer, ENCODER.encode(StreamData(rids[0])), ENCODER.encode(responses[0])]
+            response = responses[0]
+            if type(response) is not msgspec.Raw:  # a pull handler's is encoded already
+                response = ENCODER.encode(response)
+            frames = [peer, ENCODER.encode(StreamData(rids[0])), response]
         else:  # the structs encode in place: the same bytes as a list of their msgpack
             frames = [peer, ENCODER.encode(StreamBatch(rids, responses))]
         if not self._send_now(frames):
