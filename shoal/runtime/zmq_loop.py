@@ -14,7 +14,6 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
-_SRCFD = int(zmq.SRCFD)
 
 
 class LoopSocket:
@@ -23,9 +22,7 @@ class LoopSocket:
     ZMQ's file descriptor is edge-triggered and any send or receive may consume its edge, so
     every drain reads while ZMQ_EVENTS says a message is waiting, and every send schedules one
     more drain in the same loop iteration. Sockets must have SNDHWM 0 (or never reach it):
-    flow control is the caller's job. With `track_source`, `source_fd` holds the file
-    descriptor of the connection the message being handled came in on (a ROUTER uses it to
-    tell which peer a disconnect event is about).
+    flow control is the caller's job.
     """
 
     __slots__ = (
@@ -34,22 +31,16 @@ class LoopSocket:
         "_loop",
         "_on_frames",
         "_paused",
-        "_track_source",
         "sock",
-        "source_fd",
     )
 
     def __init__(
         self,
         sock: zmq.Socket,
         on_frames: Callable[[list[bytes]], None],
-        *,
-        track_source: bool = False,
     ) -> None:
         self.sock = sock
         self._on_frames = on_frames
-        self._track_source = track_source
-        self.source_fd = -1
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._drain_pending = True
@@ -102,17 +93,8 @@ class LoopSocket:
         recv = sock.recv
         getsockopt = sock.getsockopt
         on_frames = self._on_frames
-        track = self._track_source
         while not (sock.closed or self._paused) and getsockopt(_EVENTS) & _POLLIN:
-            if track:
-                first = recv(_NOBLOCK, copy=False)
-                try:
-                    self.source_fd = first.get(_SRCFD)
-                except zmq.ZMQError:  # a message with no source (e.g. from a ZMTP 1.0 peer)
-                    self.source_fd = -1
-                frames = [first.bytes]
-            else:
-                frames = [recv(_NOBLOCK)]
+            frames = [recv(_NOBLOCK)]
             while getsockopt(_RCVMORE):
                 frames.append(recv(_NOBLOCK))
             try:
