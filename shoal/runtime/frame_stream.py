@@ -170,7 +170,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
             view = buffer[begin:end]
             frames.append(view if large and length >= LARGE_FRAME_BYTES else bytes(view))  # type: ignore[arg-type]
             begin = end
-        self._on_frames(frames)
+        try:
+            self._on_frames(frames)
+        except Exception:  # the handler's bug: the connection and its other streams go on
+            log.exception("request-plane message handler failed")
         return self._on_lost is not None
 
     def _refuse(self, why: str) -> None:

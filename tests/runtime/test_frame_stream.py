@@ -144,3 +144,18 @@ def test_addresses() -> None:
 
 def os_random(n: int) -> bytes:
     return random.Random(n).randbytes(n)
+
+
+def test_a_handler_that_raises_costs_its_message_only() -> None:
+    got: list[list[bytes]] = []
+
+    def handler(frames: list[bytes]) -> None:
+        if frames == [b"bad"]:
+            raise RuntimeError("handler bug")
+        got.append(frames)
+
+    lost: list[str] = []
+    protocol = FrameProtocol(handler, lost.append)
+    protocol.connection_made(Pipe())  # type: ignore[arg-type]
+    feed(protocol, b"".join(map(encode_message, [[b"a"], [b"bad"], [b"b"]])))
+    assert got == [[b"a"], [b"b"]] and not lost
