@@ -73,6 +73,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._large: memoryview | None = None  # the message being read into its own buffer
         self._large_fill = 0
         self.transport: asyncio.Transport | None = None
+        self.ended: asyncio.Future[None] | None = None  # done once the connection is gone
 
     @property
     def connected(self) -> bool:
@@ -80,12 +81,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.ended = asyncio.get_running_loop().create_future()
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_result(None)
         self._lose("connection closed" if exc is None else f"connection closed: {exc}")
 
     def send(self, frames: list[bytes]) -> bool:
@@ -277,13 +281,16 @@ class FrameServer:
             return
         server, self._server = self._server, None
         server.close()
-        for protocol in list(self._peers.values()):
+        protocols = list(self._peers.values())  # closing one forgets it here
+        for protocol in protocols:
             protocol.close()
-        try:
-            await asyncio.wait_for(server.wait_closed(), CLOSE_LINGER_S)
-        except TimeoutError:  # a peer that does not read: drop what it was sent
-            for protocol in list(self._peers.values()):
+        ending = [p.ended for p in protocols if p.ended is not None]
+        if ending:
+            await asyncio.wait(ending, timeout=CLOSE_LINGER_S)
+        for protocol in protocols:  # a peer that does not read: drop what it was sent
+            if protocol.ended is not None and not protocol.ended.done():
                 protocol.close(flush=False)
+        await server.wait_closed()
 
     def _accept(self) -> FrameProtocol:
         peer = next(self._ids).to_bytes(8, "little")
