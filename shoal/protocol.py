@@ -236,7 +236,7 @@ class KVBlocksChunk(msgspec.Struct, kw_only=True):
 
     first_block: int
     num_blocks: int
-    data: bytes
+    data: memoryview  # decoded as a view of the received frame, not a copy of it
 
 
 class KVAgentRequest(msgspec.Struct, kw_only=True):

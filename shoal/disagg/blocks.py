@@ -32,8 +32,8 @@ def blocks_per_chunk(layout: KVLayout, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 def to_chunk(first_block: int, data: torch.Tensor) -> KVBlocksChunk:
     """One frame of blocks read from the cache (a host tensor in the layout's shape)."""
-    raw = data.contiguous().view(torch.uint8).numpy()
-    return KVBlocksChunk(first_block=first_block, num_blocks=data.shape[2], data=raw.tobytes())
+    raw = data.contiguous().view(torch.uint8).numpy().reshape(-1)  # bytes in C order, no copy
+    return KVBlocksChunk(first_block=first_block, num_blocks=data.shape[2], data=memoryview(raw))
 
 
 class BlockAssembler:
