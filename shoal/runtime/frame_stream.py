@@ -37,11 +37,15 @@ OnFrames = Callable[[list[bytes]], None]
 OnLost = Callable[[str], None]
 
 
+def _header(frames: list[bytes]) -> bytes:
+    """What goes before a message's frames: the magic, their count and their lengths."""
+    count = len(frames)
+    return _HEAD.pack(MAGIC, count) + _LENGTHS[count].pack(*map(len, frames))
+
+
 def encode_message(frames: list[bytes]) -> bytes:
     """One message's bytes on the wire."""
-    return b"".join(
-        (_HEAD.pack(MAGIC, len(frames)), _LENGTHS[len(frames)].pack(*map(len, frames)), *frames)
-    )
+    return b"".join((_header(frames), *frames))
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -75,10 +79,6 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.ended: asyncio.Future[None] | None = None  # done once the connection is gone
 
-    @property
-    def connected(self) -> bool:
-        return self.transport is not None and not self.transport.is_closing()
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.ended = asyncio.get_running_loop().create_future()
@@ -101,10 +101,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if sum(map(len, frames)) < LARGE_FRAME_BYTES:
             transport.write(encode_message(frames))
         else:  # no joined copy of a large frame
-            count = len(frames)
-            transport.writelines(
-                [_HEAD.pack(MAGIC, count), _LENGTHS[count].pack(*map(len, frames)), *frames]
-            )
+            transport.writelines([_header(frames), *frames])
         return True
 
     def close(self, flush: bool = True) -> None:
