@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from shoal.frontend.engine_client import EngineClient
 from shoal.frontend.errors import install_error_handlers
+from shoal.frontend.hot_routes import OpenAIApp
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.middleware import (
     ApiKeyMiddleware,
@@ -133,7 +134,7 @@ def build_app(
     serving = OpenAIServing(client, metrics, max_prompts_per_request, parsers)
     if tokenizers is not None:
         serving.tokenizers = tokenizers
-    app = FastAPI(title="shoal", summary="OpenAI-compatible LLM serving")
+    app = OpenAIApp(title="shoal", summary="OpenAI-compatible LLM serving")
     app.state.metrics = metrics
     install_error_handlers(app)
 
@@ -143,8 +144,12 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await serving.completions(await parse_body(request, CompletionRequest), request)
 
-    app.add_route("/v1/chat/completions", chat_completions, ["POST"], include_in_schema=False)
-    app.add_route("/v1/completions", completions, ["POST"], include_in_schema=False)
+    for path, endpoint in (
+        ("/v1/chat/completions", chat_completions),
+        ("/v1/completions", completions),
+    ):
+        app.hot_routes[path] = endpoint
+        app.add_route(path, endpoint, ["POST"], include_in_schema=False)
     _document_generation_routes(app)
 
     @app.get("/v1/models")

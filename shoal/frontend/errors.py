@@ -166,26 +166,27 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return bad_request(f"{param or 'request body'}: {message}", param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves the app in OpenAI's JSON shape (validation errors as 400, not 422)."""
-
-    async def on_api_error(request: Request, exc: APIError) -> Response:
+def error_response(exc: Exception, path: str) -> Response:
+    """The answer to an exception raised while serving `path`, in OpenAI's JSON shape
+    (validation errors as 400, not 422); an unexpected one is logged and answered 500."""
+    if isinstance(exc, APIError):
         return exc.response()
-
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+    if isinstance(exc, RequestValidationError):
         return validation_error(exc).response()
-
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        if isinstance(exc, BodyTooLarge):
-            return exc.error.response()
+    if isinstance(exc, BodyTooLarge):
+        return exc.error.response()
+    if isinstance(exc, StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return APIError(exc.status_code, str(exc.detail), type=kind).response()
+    log.exception("unhandled error on %s", path, exc_info=exc)
+    return internal_error().response()
 
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return internal_error().response()
 
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the app as error_response answers it."""
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return error_response(exc, request.url.path)
+
+    for kind in (APIError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, on_error)

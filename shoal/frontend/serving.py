@@ -55,6 +55,12 @@ def engine_errors(model: str) -> Iterator[None]:
         raise bad_request(str(e)) from None
 
 
+async def _opened(model: str, run: RequestRun) -> None:
+    """Open the run (its first output is in), with the engine client's errors as API errors."""
+    with engine_errors(model):
+        await run.open()
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -170,11 +176,12 @@ class OpenAIServing:
     ) -> Response:
         """Stream events(include_usage) as SSE, or send the awaited whole response as JSON."""
         request.state.run = run  # the access log reads its id and usage
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return SSEResponse(
+                events(include_usage), on_close=run.close, opening=_opened(body.model, run)
+            )
         try:
-            if body.stream:
-                await self._guarded(request, body.model, run.open())
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return SSEResponse(events(include_usage), on_close=run.close)
             payload = await self._guarded(request, body.model, whole())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -240,18 +240,27 @@ class SSEResponse(StreamingResponse):
     """Streams events until they end or the client disconnects; either way it then closes
     the events and calls `on_close` (which closes the engine streams: an abort if running).
 
-    Events that are ready together (several tokens of an engine step, or a backlog) go out
-    in one write; an event is never held back while the engine is awaited.
+    `opening`, if given, is awaited before anything is sent: the status is decided by it,
+    so an error it raises leaves the response unstarted (`started` stays False) for the
+    app to answer with the error's own status, while the wait for a first token costs no
+    extra trip through the app's layers once it ends. Events that are ready together
+    (several tokens of an engine step, or a backlog) go out in one write; an event is
+    never held back while the engine is awaited.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, events: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]]
+        self,
+        events: AsyncGenerator[bytes, None],
+        on_close: Callable[[], Awaitable[None]],
+        opening: Awaitable[None] | None = None,
     ) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
         self.on_close = on_close
+        self.opening = opening
+        self.started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         burst: list[bytes] = []
@@ -267,6 +276,9 @@ class SSEResponse(StreamingResponse):
 
         async def stream() -> None:
             nonlocal size
+            if self.opening is not None:
+                await self.opening
+            self.started = True
             await send(
                 {
                     "type": "http.response.start",

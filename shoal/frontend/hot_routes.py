@@ -1,0 +1,76 @@
+"""The generation routes served in front of FastAPI's middleware stack.
+
+Every request and every streamed chunk of a FastAPI route passes through FastAPI's and
+Starlette's layers (server errors, telemetry, exceptions, the router's matching, the route's
+exception wrapper), four of which wrap `send`. `POST /v1/chat/completions` and
+`POST /v1/completions` skip them: they go through the app's own middleware (metrics, API key,
+body and concurrency limits) to their endpoint, and an exception becomes the same answer the
+app's exception handlers give (errors.error_response). Everything else, and these paths
+with any other method, goes through the whole stack as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from shoal.frontend.errors import error_response
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class HotRoutes:
+    """Dispatch `POST path` for each path of `endpoints` straight to it (through the
+    app's user middleware); anything else to `app`, the full stack."""
+
+    def __init__(self, app: ASGIApp, endpoints: dict[str, Endpoint], user_middleware: list) -> None:
+        self.app = app
+        self.endpoints = endpoints
+        chain: ASGIApp = self._serve
+        for cls, args, kwargs in reversed(user_middleware):
+            chain = cls(chain, *args, **kwargs)
+        self.chain = chain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in self.endpoints
+        ):
+            await self.chain(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The endpoint's response; an exception before the response has started (an
+        endpoint's, or a response's whose `started` is still False) answers as an error."""
+        path = scope["path"]
+        try:
+            response = await self.endpoints[path](Request(scope, receive, send))
+        except Exception as exc:
+            await error_response(exc, path)(scope, receive, send)
+            return
+        try:
+            await response(scope, receive, send)
+        except Exception as exc:
+            if getattr(response, "started", True):
+                raise  # mid-answer: the server closes the connection, as for any route
+            await error_response(exc, path)(scope, receive, send)
+
+
+class OpenAIApp(FastAPI):
+    """FastAPI, with `hot_routes` (path -> endpoint; mounted with add_route as well, for
+    the other methods and the schema) served by HotRoutes."""
+
+    hot_routes: dict[str, Endpoint]
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.hot_routes = {}
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return HotRoutes(super().build_middleware_stack(), self.hot_routes, self.user_middleware)
