@@ -25,7 +25,12 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 class HotRoutes:
     """Dispatch `POST path` for each path of `endpoints` straight to it (through the
-    app's user middleware); anything else to `app`, the full stack."""
+    app's user middleware); anything else to `app`, the full stack.
+
+    The user middleware is built a second time for this chain, so a middleware that keeps
+    state in its instance (ConcurrencyLimitMiddleware's count) keeps it per chain: the
+    generation requests it counts all come this way.
+    """
 
     def __init__(self, app: ASGIApp, endpoints: dict[str, Endpoint], user_middleware: list) -> None:
         self.app = app
