@@ -132,7 +132,7 @@ def test_a_stream_goes_through_the_user_middleware_and_closes(served):
 def test_a_failure_mid_stream_drops_the_connection_and_the_server_goes_on(served):
     http, _, behaviour = served
     behaviour["what"] = "fails_mid_stream"
-    with pytest.raises(httpx.RemoteProtocolError):
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):  # cut short, or reset
         http.post(HOT, json={})
     behaviour["what"] = "ok"
     assert http.post(HOT, json={}).status_code == 200
