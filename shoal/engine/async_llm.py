@@ -35,6 +35,14 @@ T = TypeVar("T")
 
 MAX_STEP_FAILURES = 5  # failed steps in a row (each aborting what it held) that mean dead
 
+# With async scheduling a step's outputs come back while the device runs the next batch,
+# and the engine thread goes straight on to prepare the one after it, holding the GIL the
+# event loop needs to send those outputs. For a few outputs (low load) the thread first
+# waits, up to HAND_OVER_WAIT_S, for the loop to have taken them: the device's running
+# batch hides the wait, and the tokens leave without the next step's preparation ahead.
+HAND_OVER_MAX_OUTPUTS = 8
+HAND_OVER_WAIT_S = 0.0005
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error it could not contain; nothing more will run."""
@@ -75,6 +83,7 @@ class AsyncLLM:
         self._closed = False
         self._step_failures = 0
         self._on_step_failures = 0
+        self._taken = threading.Event()  # set by the loop once it has run a step's outputs
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
 
@@ -204,7 +213,12 @@ class AsyncLLM:
             self._step_failed(exc)
             return
         self._step_failures = 0
-        self._deliver(outputs)
+        if engine.async_scheduling and 0 < len(outputs) <= HAND_OVER_MAX_OUTPUTS:
+            self._taken.clear()
+            if self._deliver(outputs):
+                self._taken.wait(HAND_OVER_WAIT_S)
+        else:
+            self._deliver(outputs)
         if self.on_step is not None:
             try:
                 self.on_step(engine)
@@ -277,9 +291,10 @@ class AsyncLLM:
         for request_id in list(self._streams):
             self._send(request_id, error)
 
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
+    def _deliver(self, outputs: list[EngineOutput]) -> bool:
         """Hand a step's outputs to their streams: one callback per event loop, not per output
-        (each call_soon_threadsafe wakes the loop through a socket write)."""
+        (each call_soon_threadsafe wakes the loop through a socket write); whether any
+        callback was posted."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         streams = self._streams
         for out in outputs:
@@ -289,25 +304,31 @@ class AsyncLLM:
                 if batch is None:
                     batch = batches[stream.loop] = []
                 batch.append((stream, out))
+        posted = False
         for loop, batch in batches.items():
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self._dispatch, batch)
+                posted = True
+        return posted
 
     def _dispatch(self, batch: list[tuple[_Stream, EngineOutput]]) -> None:
         """In the event loop: give each stream of a step its output, unless it was cancelled
         or ended since; a stream's last output ends it."""
         streams = self._streams
-        for stream, out in batch:
-            request_id = out.request_id
-            if streams.get(request_id) is not stream:
-                continue
-            last = False
-            if out.finish_reason is not None:
-                stream.num_finished += 1
-                last = stream.num_finished == stream.num_seqs
-                if last:
-                    del streams[request_id]
-            stream.on_output(out, last)
+        try:
+            for stream, out in batch:
+                request_id = out.request_id
+                if streams.get(request_id) is not stream:
+                    continue
+                last = False
+                if out.finish_reason is not None:
+                    stream.num_finished += 1
+                    last = stream.num_finished == stream.num_seqs
+                    if last:
+                        del streams[request_id]
+                stream.on_output(out, last)
+        finally:  # after what the outputs scheduled on the loop (their sends' flush)
+            asyncio.get_running_loop().call_soon(self._taken.set)
 
     def _send(self, request_id: str, error: BaseException) -> None:
         """End a stream with `error`, in its event loop."""
