@@ -88,9 +88,9 @@ def install(out_dir: str, role: str) -> None:
             stamp("step")
             step(self)
 
-        def traced_deliver(self, outputs: list) -> None:
+        def traced_deliver(self, outputs: list) -> bool:
             stamp("deliver", len(outputs))
-            deliver(self, outputs)
+            return deliver(self, outputs)
 
         def traced_dispatch(self, batch: list) -> None:
             stamp("dispatch")

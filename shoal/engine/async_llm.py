@@ -35,11 +35,12 @@ T = TypeVar("T")
 
 MAX_STEP_FAILURES = 5  # failed steps in a row (each aborting what it held) that mean dead
 
-# With async scheduling a step's outputs come back while the device runs the next batch,
-# and the engine thread goes straight on to prepare the one after it, holding the GIL the
-# event loop needs to send those outputs. For a few outputs (low load) the thread first
-# waits, up to HAND_OVER_WAIT_S, for the loop to have taken them: the device's running
-# batch hides the wait, and the tokens leave without the next step's preparation ahead.
+# With async scheduling (or the mocker's back-to-back steps) a step's outputs come back
+# while the device runs the next batch, and the engine thread goes straight on to prepare
+# the one after it, holding the GIL the event loop needs to send those outputs. For a few
+# outputs (low load) the thread first waits, up to HAND_OVER_WAIT_S, for the loop to have
+# taken them: the device's running batch hides the wait, and the tokens leave without the
+# next step's preparation ahead.
 HAND_OVER_MAX_OUTPUTS = 8
 HAND_OVER_WAIT_S = 0.0005
 
@@ -213,7 +214,7 @@ class AsyncLLM:
             self._step_failed(exc)
             return
         self._step_failures = 0
-        if engine.async_scheduling and 0 < len(outputs) <= HAND_OVER_MAX_OUTPUTS:
+        if engine.overlaps_host_work and 0 < len(outputs) <= HAND_OVER_MAX_OUTPUTS:
             self._taken.clear()
             if self._deliver(outputs):
                 self._taken.wait(HAND_OVER_WAIT_S)

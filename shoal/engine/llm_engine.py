@@ -434,6 +434,12 @@ class LLMEngine:
         if all(s.is_finished for s in seqs):
             del self.requests[request_id]
 
+    @property
+    def overlaps_host_work(self) -> bool:
+        """Whether host work between steps runs while the device runs the next batch (async
+        scheduling), so a short wait of the engine thread there costs the device nothing."""
+        return self.async_scheduling
+
     def has_unfinished_requests(self) -> bool:
         busy_tiers = self.kv.offload is not None and self.kv.offload.busy
         return bool(self.requests) or self._in_flight is not None or busy_tiers

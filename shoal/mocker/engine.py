@@ -38,6 +38,7 @@ class MockEngine(LLMEngine):
         self._init_config(config, torch.device("cpu"))
         num_blocks = config.num_gpu_blocks or H100_8B_KV_TOKENS // config.block_size
         self._init_core(num_blocks)
+        self._device_free_at: float | None = None  # perf_counter time the last step ended
         vocab = sampling_vocab(
             Path(config.tokenizer or self.model_dir),
             self.model_config.vocab_size,
@@ -58,14 +59,27 @@ class MockEngine(LLMEngine):
             self.runner.timing,
         )
 
+    @property
+    def overlaps_host_work(self) -> bool:
+        """Back-to-back mocked steps follow each other on the modelled device, as the real
+        engine's do with async scheduling: the host's work between them is hidden."""
+        return True
+
     def step(self) -> list[EngineOutput]:
-        started = time.perf_counter()
+        started = self._device_free_at
+        if started is None:
+            started = time.perf_counter()
         clock = self.runner.simulated_seconds
         outputs = super().step()
+        ran = self.runner.simulated_seconds != clock
         offload = self.kv.offload
-        if offload is not None and self.runner.simulated_seconds == clock:
+        if offload is not None and not ran:
             offload.idle()  # nothing ran: the clock moves on to the next copy's end
-        self.runner.pace(started)
+        end = self.runner.pace(started)
+        # with more to run, the next step starts on the device where this one ends (host
+        # work in between, the hand-over of the outputs included, counts towards it);
+        # after an empty step or with nothing left, it starts when the host calls it
+        self._device_free_at = end if ran and self.has_unfinished_requests() else None
         return outputs
 
 

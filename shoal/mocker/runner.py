@@ -82,12 +82,14 @@ class MockRunner:
         """The launched step's output (already complete)."""
         return out
 
-    def pace(self, started: float) -> None:
+    def pace(self, started: float) -> float:
         """Sleep until the step that began at `started` (time.perf_counter) has lasted its
-        modelled time / speedup; host time already spent in the step counts towards it."""
+        modelled time / speedup; host time already spent in the step counts towards it.
+        Returns the step's end (its deadline)."""
         deadline = started + self._owed
         self._owed = 0.0
         sleep_until(deadline)
+        return deadline
 
     def _logprob(self, token_id: int, num_top: int) -> TokenLogprob:
         """The token's logprob and rank under the uniform distribution, then the first

@@ -1,24 +1,40 @@
-"""With async scheduling and few outputs, a step's outputs reach the event loop before the
-engine thread goes on (AsyncLLM's hand-over wait); with many, the thread does not wait."""
+"""With async scheduling (or the mocker's back-to-back steps) and few outputs, a step's
+outputs reach the event loop before the engine thread goes on (AsyncLLM's hand-over wait);
+with many, or a synchronous engine, the thread does not wait."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
 from helpers import greedy, random_prompts
 
 from shoal.engine import async_llm
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.config import EngineConfig
+from shoal.engine.llm_engine import LLMEngine
+from shoal.mocker.engine import MockEngine
 from shoal.protocol import EngineRequest
 
 
-def _run(llama_dir, num_requests: int, loop_busy_s: float = 0.0) -> list[tuple[int, int]]:
+def _async_engine(llama_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(llama_dir), async_scheduling=True))
+
+
+def _mock_engine(llama_dir) -> LLMEngine:
+    return MockEngine(EngineConfig(model=str(llama_dir)), speedup=1e9)
+
+
+def _sync_engine(llama_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(llama_dir), async_scheduling=False))
+
+
+def _run(core: LLMEngine, num_requests: int, loop_busy_s: float = 0.0) -> list[tuple[int, int]]:
     """(outputs the step made so far, outputs the loop had run when the thread went on)
     for each step of `num_requests` greedy requests; the loop sleeps loop_busy_s (holding
     the GIL's turn) in each output callback."""
-    engine = AsyncLLM(EngineConfig(model=str(llama_dir), async_scheduling=True))
+    engine = AsyncLLM(core)
     made, ran, seen = [0], [0], []
     step = engine.engine.step
 
@@ -58,9 +74,10 @@ def _run(llama_dir, num_requests: int, loop_busy_s: float = 0.0) -> list[tuple[i
     return seen
 
 
-def test_few_outputs_are_taken_before_the_engine_thread_goes_on(llama_dir, monkeypatch):
+@pytest.mark.parametrize("build", [_async_engine, _mock_engine])
+def test_few_outputs_are_taken_before_the_engine_thread_goes_on(llama_dir, monkeypatch, build):
     monkeypatch.setattr(async_llm, "HAND_OVER_WAIT_S", 30.0)  # as long as the loop needs
-    seen = _run(llama_dir, 1)
+    seen = _run(build(llama_dir), 1)
     assert seen[-1][0] == 6
     assert all(ran == made for made, ran in seen), seen
 
@@ -68,6 +85,13 @@ def test_few_outputs_are_taken_before_the_engine_thread_goes_on(llama_dir, monke
 def test_many_outputs_do_not_wait_for_the_loop(llama_dir, monkeypatch):
     monkeypatch.setattr(async_llm, "HAND_OVER_WAIT_S", 30.0)
     many = async_llm.HAND_OVER_MAX_OUTPUTS + 1
-    seen = _run(llama_dir, many, loop_busy_s=0.05)  # a slow loop, every step many outputs
+    seen = _run(_async_engine(llama_dir), many, loop_busy_s=0.05)  # a slow loop, many outputs
     assert seen[-1][0] == 6 * many
     assert any(ran < made for made, ran in seen), seen  # the thread went on without it
+
+
+def test_a_synchronous_engine_does_not_wait_for_the_loop(llama_dir, monkeypatch):
+    monkeypatch.setattr(async_llm, "HAND_OVER_WAIT_S", 30.0)
+    seen = _run(_sync_engine(llama_dir), 1, loop_busy_s=0.05)  # its steps hide nothing
+    assert seen[-1][0] == 6
+    assert any(ran < made for made, ran in seen), seen

@@ -11,6 +11,7 @@ from tiny_models import VOCAB_SIZE
 
 from shoal.engine.config import EngineConfig
 from shoal.kv_hash import hash_blocks
+from shoal.mocker import engine as engine_module
 from shoal.mocker import pacing
 from shoal.mocker.engine import H100_8B_KV_TOKENS, MockEngine
 from shoal.mocker.timing import TimingModel
@@ -163,21 +164,56 @@ def test_logprobs_are_those_of_the_uniform_distribution(mock_dir):
     assert [lp.logprobs[0] for lp in prompt_lps[2:]] == pytest.approx([uniform] * 3)
 
 
+class FakeClock:
+    """perf_counter and sleep for pacing: the host's own time, plus every sleep taken."""
+
+    def __init__(self) -> None:
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + sum(self.slept)
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
 def test_a_step_sleeps_its_modelled_time_over_speedup(mock_dir, monkeypatch):
-    slept: list[float] = []
-    clock = SimpleNamespace(perf_counter=time.perf_counter, sleep=slept.append)
+    clock = FakeClock()
     monkeypatch.setattr(pacing, "time", clock)
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=clock.perf_counter))
     # 1 s a step, far more than the host takes
     timing = TimingModel(1000.0, 0.0, 0.0, 0.0, 0.0)
     engine = MockEngine(EngineConfig(model=str(mock_dir)), timing, speedup=4.0)
     engine.add_request(request("a", list(range(5, 40)), max_tokens=3))
     steps = 0
+    start = clock.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-    assert len(slept) == steps == 3
-    assert all(0.2 < s <= 0.25 for s in slept)  # 1.0 s / 4, less the host time of the step
+    end = clock.perf_counter()
+    assert len(clock.slept) == steps == 3
+    assert all(0.2 < s <= 0.25 for s in clock.slept)  # 1.0 s / 4, less the host's time
     assert engine.runner.simulated_seconds == pytest.approx(3.0)
+    # back to back, each step starts where the one before ended: the host's time between
+    # steps is hidden, so three steps last their 0.75 s from the first one's start
+    assert 0.75 <= end - start < 0.75 + 0.005
+
+
+def test_a_step_after_idle_time_starts_when_it_is_called(mock_dir, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(pacing, "time", clock)
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    timing = TimingModel(1000.0, 0.0, 0.0, 0.0, 0.0)
+    engine = MockEngine(EngineConfig(model=str(mock_dir)), timing, speedup=4.0)
+    engine.add_request(request("a", list(range(5, 40)), max_tokens=1))
+    engine.step()
+    assert not engine.has_unfinished_requests()
+    clock.sleep(5.0)  # the engine waits 5 s for its next request
+    engine.add_request(request("b", list(range(5, 40)), max_tokens=1))
+    called = clock.perf_counter()
+    engine.step()
+    assert 0.2 < clock.slept[-1] <= 0.25  # the whole step, not 5 s of idle counted in it
+    assert clock.perf_counter() - called >= 0.25
 
 
 def test_speedup_must_be_positive(mock_dir):
