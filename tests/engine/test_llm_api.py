@@ -65,7 +65,8 @@ def test_chat_applies_template(llm):
     ("prompt", "params", "message"),
     [
         ([], SamplingParams(), "at least one token"),
-        ([5, 999999], SamplingParams(), "outside the vocabulary"),
+        ([5, 999999], SamplingParams(), "token id 999999 is outside the vocabulary"),
+        ([5] * 600 + [999999, 5], SamplingParams(max_tokens=4), "token id 999999 is outside"),
         ([5] * 1000, SamplingParams(max_tokens=100), "exceeds max_model_len 1024"),
         ([5] * 1024, SamplingParams(max_tokens=None), "max_model_len is 1024"),
     ],
