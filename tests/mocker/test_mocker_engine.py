@@ -165,50 +165,59 @@ def test_logprobs_are_those_of_the_uniform_distribution(mock_dir):
 
 
 class FakeClock:
-    """perf_counter and sleep for pacing: the host's own time, plus every sleep taken."""
+    """perf_counter and sleep for pacing: the host's own time, plus every sleep taken and
+    every advance (host work the test stands in for)."""
 
     def __init__(self) -> None:
         self.slept: list[float] = []
+        self.offset = 0.0
 
     def perf_counter(self) -> float:
-        return time.perf_counter() + sum(self.slept)
+        return time.perf_counter() + self.offset
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
+        self.offset += seconds
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
 
 
-def test_a_step_sleeps_its_modelled_time_over_speedup(mock_dir, monkeypatch):
+def paced_engine(mock_dir, monkeypatch) -> tuple[MockEngine, FakeClock]:
+    """A mocker whose steps are modelled at 1 s (far more than the host takes) at speedup
+    4, paced by a FakeClock."""
     clock = FakeClock()
     monkeypatch.setattr(pacing, "time", clock)
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=clock.perf_counter))
-    # 1 s a step, far more than the host takes
     timing = TimingModel(1000.0, 0.0, 0.0, 0.0, 0.0)
-    engine = MockEngine(EngineConfig(model=str(mock_dir)), timing, speedup=4.0)
+    return MockEngine(EngineConfig(model=str(mock_dir)), timing, speedup=4.0), clock
+
+
+def test_a_step_sleeps_its_modelled_time_over_speedup(mock_dir, monkeypatch):
+    engine, clock = paced_engine(mock_dir, monkeypatch)
     engine.add_request(request("a", list(range(5, 40)), max_tokens=3))
     steps = 0
     start = clock.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
+        clock.advance(0.1)  # host work between steps (outputs handed over, events, metrics)
     end = clock.perf_counter()
     assert len(clock.slept) == steps == 3
-    assert all(0.2 < s <= 0.25 for s in clock.slept)  # 1.0 s / 4, less the host's time
+    assert 0.2 < clock.slept[0] <= 0.25  # 1.0 s / 4, less the host's time in the step
+    assert all(0.1 < s <= 0.15 for s in clock.slept[1:])  # less the 0.1 s between steps too
     assert engine.runner.simulated_seconds == pytest.approx(3.0)
-    # back to back, each step starts where the one before ended: the host's time between
-    # steps is hidden, so three steps last their 0.75 s from the first one's start
-    assert 0.75 <= end - start < 0.75 + 0.005
+    # back to back, each step starts where the one before ended: the host's work between
+    # steps is hidden, so the three steps end 0.75 s after the first one's start
+    assert 0.85 <= end - start < 0.85 + 0.05  # (plus the 0.1 s after the last step)
 
 
 def test_a_step_after_idle_time_starts_when_it_is_called(mock_dir, monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(pacing, "time", clock)
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=clock.perf_counter))
-    timing = TimingModel(1000.0, 0.0, 0.0, 0.0, 0.0)
-    engine = MockEngine(EngineConfig(model=str(mock_dir)), timing, speedup=4.0)
+    engine, clock = paced_engine(mock_dir, monkeypatch)
     engine.add_request(request("a", list(range(5, 40)), max_tokens=1))
     engine.step()
     assert not engine.has_unfinished_requests()
-    clock.sleep(5.0)  # the engine waits 5 s for its next request
+    clock.advance(5.0)  # the engine waits 5 s for its next request
     engine.add_request(request("b", list(range(5, 40)), max_tokens=1))
     called = clock.perf_counter()
     engine.step()
