@@ -43,6 +43,17 @@ def parse_bool(text: str) -> bool:
     raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
 
+def non_negative_float(text: str) -> float:
+    """A number of at least 0 (a flag's type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class Flag:
     """One flag. kind: value (`--x V`), switch (`--x`, off by default), toggle (`--x` and

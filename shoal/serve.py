@@ -17,7 +17,12 @@ from typing import IO
 
 from shoal.engine.cli import add_engine_args, engine_argv
 from shoal.flags import Flag, FlagGroup, FlagParser, flag_argv
-from shoal.frontend.cli import add_frontend_args, exit_on_sigterm, serve_frontends
+from shoal.frontend.cli import (
+    add_frontend_args,
+    exit_on_sigterm,
+    frontend_keep_warm_ms,
+    serve_frontends,
+)
 from shoal.frontend.disagg_client import DISAGG
 from shoal.mocker.cli import MOCKER
 from shoal.router.cli import KV_ROUTING
@@ -100,9 +105,7 @@ def worker_argv(args: argparse.Namespace, discovery: str) -> list[str]:
         + flag_argv(args, KV_EVENTS)
     )
     argv += ["--discovery", discovery, "--served-model-name", args.served_model_name or args.model]
-    if args.dead_after is not None:
-        argv += ["--dead-after", str(args.dead_after)]
-    return [*argv, "--log-level", args.log_level]
+    return [*argv, *_runtime_argv(args), "--log-level", args.log_level]
 
 
 def worker_argvs(args: argparse.Namespace, discovery: str) -> list[list[str]]:
@@ -122,7 +125,13 @@ def router_argv(args: argparse.Namespace, discovery: str) -> list[str] | None:
     if args.router_mode != "remote":
         return None
     argv = [sys.executable, "-m", "shoal", "router", *flag_argv(args, KV_ROUTING)]
-    argv += ["--discovery", discovery, "--log-level", args.log_level]
+    return [*argv, "--discovery", discovery, *_runtime_argv(args), "--log-level", args.log_level]
+
+
+def _runtime_argv(args: argparse.Namespace) -> list[str]:
+    """The runtime flags a child process takes from this command (the plane secret travels
+    in its environment instead)."""
+    argv = ["--keep-warm-ms", str(args.keep_warm_ms)]
     if args.dead_after is not None:
         argv += ["--dead-after", str(args.dead_after)]
     return argv
@@ -304,7 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     exit_on_sigterm()
     try:
-        event_loop.run(_serve(args, discovery, pool))
+        event_loop.run(_serve(args, discovery, pool), frontend_keep_warm_ms(args))
     finally:
         pool.stop(args.shutdown_timeout)
         if folder is not None:

@@ -15,7 +15,7 @@ from shoal.engine.cli import engine_options
 from shoal.flags import Flag, FlagGroup, FlagParser, parse_bool
 from shoal.runtime.cli import runtime_options
 from shoal.runtime.net import ANY_ADDRESS, advertise_address
-from shoal.serve import worker_argv, worker_env
+from shoal.serve import router_argv, worker_argv, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,6 +75,8 @@ def test_unset_switches_keep_their_defaults():
         ("frontend", "SHOAL_NO_KV_EVENTS", "maybe", "expected 1/0, true/false, yes/no or on/off"),
         ("frontend", "SHOAL_ROUTER_MODE", "fastest", "expected one of round-robin, random"),
         ("serve", "SHOAL_LOG_LEVEL", "loud", "expected one of debug, info"),
+        ("worker", "SHOAL_KEEP_WARM_MS", "-1", "expected a number of at least 0, got -1"),
+        ("router", "SHOAL_KEEP_WARM_MS", "often", "expected a number, got 'often'"),
     ],
 )
 def test_malformed_environment_is_one_line_naming_the_variable(command, var, raw, expected):
@@ -130,6 +132,18 @@ def test_serve_forwards_its_engine_flags_to_the_workers(monkeypatch):
         }
     )
     assert (worker.model, worker.discovery, worker.log_level) == ("m", "file:///tmp/d", "debug")
+
+
+def test_serve_forwards_keep_warm_to_workers_and_router(monkeypatch):
+    monkeypatch.setenv("SHOAL_KEEP_WARM_MS", "2.5")
+    args = parse("serve", "--model", "m", "--router-mode", "remote")
+    assert args.keep_warm_ms == 2.5
+    worker = build_parser("worker").parse_args(worker_argv(args, "file:///tmp/d")[4:])
+    router = build_parser("router").parse_args(router_argv(args, "file:///tmp/d")[4:])
+    assert worker.keep_warm_ms == router.keep_warm_ms == 2.5
+    monkeypatch.delenv("SHOAL_KEEP_WARM_MS")
+    assert parse("worker", "--model", "m").keep_warm_ms == 1.0
+    assert parse("worker", "--model", "m", "--keep-warm-ms", "0").keep_warm_ms == 0.0
 
 
 def test_required_flag_may_come_from_its_twin(monkeypatch, capsys):

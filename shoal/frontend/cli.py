@@ -179,8 +179,14 @@ def run_frontend_command(args: argparse.Namespace) -> int:
     if not args.discovery:
         raise SystemExit("--discovery is required for a standalone frontend (or use `shoal serve`)")
     exit_on_sigterm()
-    event_loop.run(serve_frontends(args, args.discovery))
+    event_loop.run(serve_frontends(args, args.discovery), frontend_keep_warm_ms(args))
     return 0
+
+
+def frontend_keep_warm_ms(args: argparse.Namespace) -> float:
+    """--keep-warm-ms for the process that serves HTTP (the one process, or each of the
+    --api-server-count children); a parent that only watches its children needs none."""
+    return args.keep_warm_ms if args.api_server_count == 1 else 0.0
 
 
 async def serve_frontends(
@@ -298,7 +304,7 @@ def api_server_main() -> None:
         format=f"%(asctime)s api-server-{index} %(name)s %(message)s",
     )
     exit_on_sigterm()
-    event_loop.run(_serve_api_server(args, discovery))
+    event_loop.run(_serve_api_server(args, discovery), args.keep_warm_ms)
 
 
 async def _serve_api_server(args: argparse.Namespace, discovery: str) -> None:

@@ -247,7 +247,7 @@ def run_router_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"--endpoint: {e}") from None
     options = kv_router_options(args)
-    event_loop.run(_serve(args, options))
+    event_loop.run(_serve(args, options), args.keep_warm_ms)
     return 0
 
 

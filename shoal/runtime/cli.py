@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from shoal.flags import Flag, FlagGroup
+from shoal.flags import Flag, FlagGroup, non_negative_float
+from shoal.runtime.event_loop import KEEP_WARM_MS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -14,6 +15,14 @@ PLANE_SECRET = Flag(
     "shared secret that signs and checks every request-plane and event-plane message; "
     "every process of a deployment needs the same one",
     shown_default="off",
+)
+KEEP_WARM = Flag(
+    "keep-warm-ms",
+    "wake the process's event loop at least this often (milliseconds; 0: never), so the "
+    "CPU it runs on does not fall into deep idle between the messages of a request: on a "
+    "VM that saves about 0.5 ms of a first token at low load, for 1-2% of a core",
+    non_negative_float,
+    default=KEEP_WARM_MS,
 )
 RUNTIME = FlagGroup(
     "runtime",
@@ -32,6 +41,7 @@ RUNTIME = FlagGroup(
             float,
             shown_default="60",
         ),
+        KEEP_WARM,
     ),
     about="How the processes of a deployment find each other ([runtime.md](runtime.md)).",
 )

@@ -195,7 +195,8 @@ def run_worker(args: argparse.Namespace) -> int:
                 kv_transfer_backend=args.kv_transfer_backend,
                 kv_events_format=args.kv_events_format,
                 **runtime_options(args),
-            )
+            ),
+            args.keep_warm_ms,
         )
     except WorkerStartError as e:
         print(f"shoal worker: error: cannot start {args.model}: {e}", file=sys.stderr)
