@@ -61,6 +61,7 @@ from frontend_trace import breakdown
 from provenance import provenance
 
 from shoal.mocker.pacing import sleep_until
+from shoal.runtime.event_loop import KEEP_WARM_MS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "frontend.jsonl"
@@ -138,11 +139,11 @@ class Deployment:
             worker += ["--engine", "mocker", "--mocker-base-ms", str(args.step_ms)]
             worker += [a for flag in TIMING for a in (f"--mocker-{flag}", "0")]
         worker += ["--discovery", discovery, "--served-model-name", "mock"]
-        worker += ["--log-level", "warning"]
+        worker += ["--log-level", "warning", "--keep-warm-ms", str(args.keep_warm_ms)]
         self.workers = [self._start(worker) for _ in range(args.workers)]
         frontend = [*shoal, "frontend", "--discovery", discovery, "--port", str(self.port)]
         frontend += ["--api-server-count", str(args.api_server_count), "--no-access-log"]
-        frontend += ["--log-level", "warning"]
+        frontend += ["--log-level", "warning", "--keep-warm-ms", str(args.keep_warm_ms)]
         self.profile = work / "frontend.prof" if args.profile else None
         prefix = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
         self.frontend = self._start([sys.executable, *prefix, *frontend])
@@ -347,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-words", type=int, default=32)
     p.add_argument("--profile", action="store_true", help="cProfile the frontend (ceiling)")
     p.add_argument("--trace", action="store_true", help="time each hand-off (latency)")
+    p.add_argument(
+        "--keep-warm-ms",
+        type=float,
+        default=KEEP_WARM_MS,
+        help="the worker's and frontend's --keep-warm-ms (0: their loops sleep until woken)",
+    )
     p.add_argument("--no-record", action="store_true", help="print only, append nothing")
     return p
 
@@ -385,6 +392,7 @@ def main() -> None:
         "step_ms": args.step_ms,
         "workers": args.workers,
         "api_server_count": args.api_server_count,
+        "keep_warm_ms": args.keep_warm_ms,
         "max_tokens": args.max_tokens,
         "prompt_words": args.prompt_words,
         **({"requests": args.requests} if latency_mode else {}),
