@@ -242,6 +242,8 @@ async def latency(port: int, args: argparse.Namespace) -> dict:
     request = request_bytes(port, args.max_tokens, args.prompt_words)
     ttft, itl = [], []
     for i in range(args.warmup + args.requests):
+        if args.gap_ms:
+            await asyncio.sleep(args.gap_ms / 1e3)
         times: list[float] = []
         start = time.perf_counter()
         await stream_once(reader, writer, request, times)
@@ -346,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=3.0, help="ceiling: seconds not measured")
     p.add_argument("--max-tokens", type=int, help="tokens per stream (latency 64, ceiling 512)")
     p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="latency: idle milliseconds before each stream (sporadic arrivals; 0: each "
+        "stream starts as the one before ends)",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile the frontend (ceiling)")
     p.add_argument("--trace", action="store_true", help="time each hand-off (latency)")
     p.add_argument(
@@ -395,7 +404,7 @@ def main() -> None:
         "keep_warm_ms": args.keep_warm_ms,
         "max_tokens": args.max_tokens,
         "prompt_words": args.prompt_words,
-        **({"requests": args.requests} if latency_mode else {}),
+        **({"requests": args.requests, "gap_ms": args.gap_ms} if latency_mode else {}),
         **({} if latency_mode else {"concurrency": args.concurrency, "duration_s": args.duration}),
         "profiled": args.profile,
         "traced": args.trace,
