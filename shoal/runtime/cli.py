@@ -20,7 +20,7 @@ KEEP_WARM = Flag(
     "keep-warm-ms",
     "wake the process's event loop at least this often (milliseconds; 0: never), so the "
     "CPU it runs on does not fall into deep idle between the messages of a request: on a "
-    "VM that saves about 0.5 ms of a first token at low load, for 1-2% of a core",
+    "VM that took 0.2-0.7 ms off a first token at low load, for about 2% of a core",
     non_negative_float,
     default=KEEP_WARM_MS,
 )

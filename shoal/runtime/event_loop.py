@@ -7,7 +7,7 @@ its first hundred microseconds 5-10 times slower once woken (the dev VM: a 6 us 
 parse took 11-13 us after sleeps of up to 1 ms, 62-120 us after sleeps of 2-20 ms). At low
 load every hand-off of a request meets a sleeping process: the frontend between tokens, the
 worker's loop during a step. A timer that wakes the loop every millisecond keeps its CPU
-from going that deep, for 1-2% of a core (docs/serving.md, "Keeping the CPU warm").
+from going that deep, for about 2% of a core (docs/serving.md, "Keeping the CPU warm").
 """
 
 from __future__ import annotations
