@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import threading
 import time
 
 import pytest
@@ -33,6 +35,30 @@ def _wake_ups(keep_warm_ms: float, idle_s: float = 0.1) -> int:
 def test_the_loop_wakes_every_keep_warm_ms_while_idle():
     assert _wake_ups(0.0) <= 3  # one sleep: the loop blocks until its timer
     assert _wake_ups(1.0) >= 40  # 100 ms at one wake-up a millisecond (timers run late)
+
+
+def test_the_timer_backs_off_while_the_process_is_busy():
+    """A thread that keeps a core busy (hashing 1 MiB blocks, which releases the GIL, so the
+    loop could wake as often as it liked) makes the timer wake only every BUSY_RECHECK_S."""
+    stop = threading.Event()
+    block = bytes(1 << 20)
+
+    def burn() -> None:
+        while not stop.is_set():
+            hashlib.sha256(block).digest()
+
+    burner = threading.Thread(target=burn)
+    burner.start()
+    try:
+        busy = _wake_ups(1.0, idle_s=0.2)
+    finally:
+        stop.set()
+        burner.join()
+    idle = _wake_ups(1.0, idle_s=0.2)
+    # 10 ms of 1 ms ticks before the first judgement, then one tick every 20 ms (a tick is
+    # about two selector returns), against one tick a millisecond once the process is idle
+    assert busy <= 60
+    assert idle >= 3 * busy
 
 
 def test_run_returns_main_and_stops_the_timer_with_it():
