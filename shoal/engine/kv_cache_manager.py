@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -12,8 +12,30 @@ from shoal.engine.block_table import BlockTable
 from shoal.engine.request import Request
 from shoal.protocol import KVEvent
 
-if TYPE_CHECKING:
-    from shoal.engine.kv_offload import OffloadManager
+
+class LowerTiers(Protocol):
+    """What the cache tells the tiers below it (kv_offload.OffloadManager), which copy the
+    blocks it caches out of the device and bring them back."""
+
+    @property
+    def busy(self) -> bool:
+        """Copies queued or in flight."""
+        ...
+
+    def stored(
+        self,
+        blocks: list[KVBlock],
+        hashes: list[int],
+        parent: int | None,
+        token_ids: list[int],
+        lora_id: int | None,
+    ) -> None:
+        """Full blocks just entered the prefix cache (the arguments of cache_full_blocks)."""
+        ...
+
+    def clear(self) -> bool:
+        """Forget every block of the lower tiers; False while copies are in flight."""
+        ...
 
 
 @dataclass
@@ -44,7 +66,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request in the cache
         self.pinned: dict[str, list[KVBlock]] = {}  # blocks kept for a remote decode, by request
         self.stats = PrefixCacheStats()
-        self.offload: OffloadManager | None = None  # lower tiers, fed by cache_blocks
+        self.offload: LowerTiers | None = None  # fed by cache_blocks
 
     @property
     def num_free_blocks(self) -> int:

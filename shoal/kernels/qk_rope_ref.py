@@ -5,15 +5,23 @@ rotary embedding's rotation, the paged KV store).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from shoal.kernels.paged_attention_ref import write_kv_cache_ref
 
-if TYPE_CHECKING:
-    from shoal.layers.norm import RMSNorm
-    from shoal.layers.rotary import RotaryEmbedding
+
+class NormReference(Protocol):
+    """A norm's pure-torch form (shoal.layers.norm.RMSNorm)."""
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class RotaryReference(Protocol):
+    """A rotary embedding's pure-torch form (shoal.layers.rotary.RotaryEmbedding)."""
+
+    def reference(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def qk_rope_store_ref(
@@ -21,11 +29,11 @@ def qk_rope_store_ref(
     k: torch.Tensor,
     v: torch.Tensor,
     positions: torch.Tensor,
-    rotary: RotaryEmbedding,
+    rotary: RotaryReference,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    q_norm: RMSNorm | None = None,
-    k_norm: RMSNorm | None = None,
+    q_norm: NormReference | None = None,
+    k_norm: NormReference | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm (when given) and rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim],
     store k and v at slot_mapping [T]; returns the new (q, k)."""

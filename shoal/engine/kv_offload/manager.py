@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +40,6 @@ from shoal.protocol import BlockRemoved, BlockStored
 
 if TYPE_CHECKING:
     from shoal.engine.kv_cache_manager import KVCacheManager
-    from shoal.engine.kv_offload.onboard import Onboarding
     from shoal.engine.request import Request
 
 
@@ -49,6 +48,19 @@ class OffloadConfig:
     cpu_bytes: int  # host tier size
     disk_path: str | None = None  # disk tier folder (its block files are deleted at start)
     disk_bytes: int = 0
+
+
+@dataclass(eq=False)
+class Onboarding:
+    """A request whose lower-tier blocks are being copied in (kv_offload.onboard)."""
+
+    request: Request
+    job: Job
+    num_tokens: int  # its tokens computed once the copy is done
+    entries: list[HostEntry] = field(default_factory=list)  # host slots the copy reads
+    settled: bool = False  # no step in flight can touch its blocks: the copy started at once
+    cancelled: bool = False
+    released: bool = False  # queued again before the copy is done (the steps wait for it)
 
 
 class OffloadManager:

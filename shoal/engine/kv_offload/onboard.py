@@ -14,32 +14,16 @@ the queue in the same step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from shoal.engine.kv_offload.copier import Job
-from shoal.engine.kv_offload.host import HostEntry
+from shoal.engine.kv_offload.manager import OffloadManager, Onboarding
 from shoal.engine.kv_offload.stats import MEDIUM_CPU
 
 if TYPE_CHECKING:
     from shoal.engine.block_pool import KVBlock
-    from shoal.engine.kv_offload.manager import OffloadManager
     from shoal.engine.request import Request
     from shoal.engine.scheduler import Scheduler
-
-
-@dataclass(eq=False)
-class Onboarding:
-    """A request whose lower-tier blocks are being copied in."""
-
-    request: Request
-    job: Job
-    num_tokens: int  # its tokens computed once the copy is done
-    entries: list[HostEntry] = field(default_factory=list)  # host slots the copy reads
-    settled: bool = False  # no step in flight can touch its blocks: the copy started at once
-    cancelled: bool = False
-    released: bool = False  # queued again before the copy is done (the steps wait for it)
 
 
 def admit(manager: OffloadManager, scheduler: Scheduler, max_num_seqs: int) -> None:
