@@ -1,16 +1,22 @@
-"""Pieces of the frontend without HTTP: layering, token bytes, EOS ids, stream merging."""
+"""Pieces of the frontend without HTTP: layering, token bytes, EOS ids, stream merging,
+request bodies."""
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
 
 import shoal.frontend
 from shoal.frontend.engine_client import WorkerFailed
 from shoal.frontend.generation import merge
+from shoal.frontend.protocol_openai import ChatCompletionRequest, CompletionRequest
+from shoal.frontend.request_body import parse_body
 from shoal.frontend.tokenizer_pool import ModelTokenizer, TokenizerPool
 from shoal.protocol import EngineOutput
 
@@ -94,3 +100,61 @@ def test_merge_interleaves_and_closes_every_stream_on_error():
 
     asyncio.run(run())
     assert sorted(closed) == ["a", "b"]
+
+
+def _body_request(body: bytes) -> Request:
+    """A POST with this JSON body, as the ASGI server hands it to a route."""
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    headers = [(b"content-type", b"application/json")]
+    return Request({"type": "http", "method": "POST", "headers": headers}, receive)
+
+
+@pytest.mark.parametrize(
+    "kind, body",
+    [
+        ("completion", {"model": "m", "prompt": "hi there", "stream": True, "max_tokens": 3}),
+        ("completion", {"model": "m", "prompt": [[1, 2, 3], [4]], "logit_bias": {"7": -1.5}}),
+        ("completion", {"model": "m", "prompt": ["a", "b"], "stop": "x", "seed": 2**40}),
+        (
+            "chat",
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "text", "text": "why?"}]},
+                ],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+                "response_format": {"type": "json_object"},
+                "temperature": 0,
+                "top_p": 0.5,
+            },
+        ),
+    ],
+)
+def test_a_valid_body_parses_from_its_bytes_as_from_its_json(kind, body):
+    """parse_body validates JSON bytes in one pass: the result is the model FastAPI's way
+    (json.loads, then validation of the dict) gives."""
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    raw = json.dumps(body).encode()
+    parsed = asyncio.run(parse_body(_body_request(raw), model))
+    assert parsed == model.model_validate(json.loads(raw), from_attributes=True)
+
+
+@pytest.mark.parametrize(
+    "raw, loc",
+    [
+        (b'{"model": "m", "prompt": 5}', ("body", "prompt")),
+        (b'{"model": "m", "prompt": "a",', ("body", 29)),
+        (b"[1, 2]", ("body",)),
+    ],
+)
+def test_an_invalid_body_gets_fastapis_errors(raw, loc):
+    """A body the one-pass validation refuses is taken again FastAPI's way: its errors are
+    located in the body as FastAPI locates them (a JSON syntax error at its offset)."""
+    with pytest.raises(RequestValidationError) as caught:
+        asyncio.run(parse_body(_body_request(raw), CompletionRequest))
+    assert caught.value.errors()[0]["loc"][: len(loc)] == loc
