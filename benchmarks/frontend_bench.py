@@ -18,7 +18,10 @@ timer wake-up (mocker/pacing.py); the bench times that on a thread of its own, a
 worker's engine thread paces (mocker_step_overshoot_ms, p50 of 50 steps), and the _net
 figures take it off as well: what the serving path adds to the steps the engine really
 took. `--engine real` puts the engine on the GPU instead (random weights of a Llama-3.1-8B
-shape, a 4,096-word vocabulary), for --trace's breakdown with real steps.
+shape, a 4,096-word vocabulary), for --trace's breakdown with real steps; in latency mode
+it first runs the same streams through the same engine alone (AsyncLLM in a process of its
+own, engine_ttft_p50_ms and engine_itl_p50_ms), and TTFT and ITL added are the serving
+path's figures less those.
 ceiling: --concurrency streams for --duration seconds with --step-ms 0: the tokens/s one
 frontend process (or N) delivers to clients, with the CPU seconds each process used (from
 /proc), so the frontend's tokens per CPU-second say what it would reach on a core of its
@@ -189,11 +192,15 @@ class Deployment:
         self.logs.close()
 
 
+def request_prompt(prompt_words: int) -> str:
+    return " ".join(f"w{3 + i % 100}" for i in range(prompt_words))
+
+
 def request_bytes(port: int, max_tokens: int, prompt_words: int) -> bytes:
     body = json.dumps(
         {
             "model": "mock",
-            "prompt": " ".join(f"w{3 + i % 100}" for i in range(prompt_words)),
+            "prompt": request_prompt(prompt_words),
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -265,6 +272,58 @@ async def latency(port: int, args: argparse.Namespace) -> dict:
         ms["ttft_added_net_ms"] = ms["ttft_added_ms"] - overshoot
         ms["itl_added_net_ms"] = ms["itl_added_ms"] - overshoot
     return ms
+
+
+def engine_alone(model: Path, args: argparse.Namespace) -> dict[str, float]:
+    """The same streams through the same engine with no serving path: AsyncLLM in a process
+    of its own, as the worker runs it (random weights, default engine settings, the API's
+    sampling defaults with ignore_eos), the prompt tokenized as the frontend does; TTFT
+    (from generate to the first output) and ITL p50 in ms."""
+    import multiprocessing
+
+    prompt = request_prompt(args.prompt_words)
+    streams = (args.warmup, args.requests, args.max_tokens, args.gap_ms)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_engine_alone, (str(model), prompt, *streams))
+
+
+def _engine_alone(
+    model: str, prompt: str, warmup: int, requests: int, max_tokens: int, gap_ms: float
+) -> dict[str, float]:
+    from tokenizers import Tokenizer
+
+    from shoal.engine.async_llm import AsyncLLM
+    from shoal.engine.config import EngineConfig
+    from shoal.engine.llm_engine import LLMEngine
+    from shoal.protocol import EngineRequest, SamplingParams
+
+    ids = Tokenizer.from_file(str(Path(model) / "tokenizer.json")).encode(prompt).ids
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def streams(llm: AsyncLLM) -> tuple[list[float], list[float]]:
+        ttft, itl = [], []
+        for i in range(warmup + requests):
+            if gap_ms:
+                await asyncio.sleep(gap_ms / 1e3)
+            times = []
+            start = time.perf_counter()
+            request = EngineRequest(request_id=f"e{i}", prompt_token_ids=ids, sampling=sampling)
+            async for _ in llm.generate(request):
+                times.append(time.perf_counter())
+            if i >= warmup:
+                ttft.append(times[0] - start)
+                itl.extend(b - a for a, b in itertools.pairwise(times))
+        return ttft, itl
+
+    llm = AsyncLLM(LLMEngine(EngineConfig(model=model, load_format="dummy")))
+    try:
+        ttft, itl = asyncio.run(streams(llm))
+    finally:
+        llm.shutdown()
+    return {
+        "engine_ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "engine_itl_p50_ms": 1e3 * statistics.median(itl),
+    }
 
 
 def step_overshoot_ms(step_ms: float, steps: int = 50) -> float:
@@ -382,6 +441,9 @@ def main() -> None:
         raise SystemExit("--trace times the hand-offs of sequential streams: latency mode")
     load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="shoal-frontend-bench-"))
+    alone = {}
+    if args.engine == "real" and latency_mode:
+        alone = engine_alone(make_model_dir(work / "model"), args)
     deployment = Deployment(args, work)
     try:
         if latency_mode:
@@ -390,6 +452,10 @@ def main() -> None:
             figures = asyncio.run(ceiling(deployment.port, args, deployment))
     finally:
         deployment.stop()
+    if alone:
+        figures |= alone
+        figures["ttft_added_ms"] = figures["ttft_p50_ms"] - alone["engine_ttft_p50_ms"]
+        figures["itl_added_ms"] = figures["itl_p50_ms"] - alone["engine_itl_p50_ms"]
     record = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         **provenance(),
