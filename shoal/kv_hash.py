@@ -172,26 +172,49 @@ def _uint32(token_ids: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
 def _content(token_ids: Sequence[int] | np.ndarray, n: int, block_size: int) -> np.ndarray:
     """Each of the first n full blocks' keyed multiply-xorshift sum, a chunk of blocks at a
     time: a long prompt's temporaries in one piece leave the cache and land on fresh pages.
-    The sum adds one column of words at a time, which numpy does at 1.7x the speed of a sum
-    along each row of a few words (131k tokens on the dev machine: 0.11 against 0.21 ms)."""
+
+    Every operation runs on flat arrays, where numpy's loops are long: the words times the
+    keys tiled to a chunk's length, and a block's words summed by adding neighbours, which
+    halves the width each time (8 words: 3 adds of strided halves), the columns of an odd
+    width left added one by one. 131k tokens on the dev machine: 0.15 against 0.07 ms."""
     paired = block_size % 2 == 0
     width = block_size // 2 if paired else block_size
-    keys = _word_keys.get(width)
-    if keys is None:
-        keys = _word_keys[width] = _splitmix64(HASH_SEED, width)
+    keys = _tiled_keys(width)
     tokens = _uint32(token_ids, n * block_size)
     words = tokens.view("<u8") if paired else tokens
     content = np.empty(n, np.uint64)
+    mixed = np.empty(min(n, _CHUNK_BLOCKS) * width, np.uint64)
+    shifted = np.empty_like(mixed)
     for first in range(0, n, _CHUNK_BLOCKS):
         last = min(n, first + _CHUNK_BLOCKS)
-        chunk = words[first * width : last * width].reshape(last - first, width)
-        mixed = chunk * keys  # uint64 (a uint32 chunk is widened by the uint64 keys)
-        mixed ^= mixed >> _S32
-        total = content[first:last]
-        total[:] = mixed[:, 0]
-        for column in range(1, width):
-            total += mixed[:, column]
+        size = (last - first) * width
+        m, t = mixed[:size], shifted[:size]
+        np.multiply(words[first * width : last * width], keys[:size], out=m)
+        np.right_shift(m, _S32, out=t)
+        np.bitwise_xor(m, t, out=m)
+        _sum_rows(m, width, content[first:last], t)
     return content
+
+
+def _tiled_keys(width: int) -> np.ndarray:
+    """The keys of a block's words, repeated for a chunk of blocks."""
+    keys = _word_keys.get(width)
+    if keys is None:
+        keys = _word_keys[width] = np.tile(_splitmix64(HASH_SEED, width), _CHUNK_BLOCKS)
+    return keys
+
+
+def _sum_rows(flat: np.ndarray, width: int, out: np.ndarray, spare: np.ndarray) -> None:
+    """out[r] = the sum of flat[r * width : (r + 1) * width] (mod 2^64); flat and spare, a
+    buffer at least half its length, are overwritten."""
+    while width % 2 == 0:
+        half = spare[: len(flat) // 2]
+        np.add(flat[0::2], flat[1::2], out=half)  # neighbours never straddle two rows
+        flat, spare, width = half, flat, width // 2
+    rows = flat.reshape(-1, width)
+    out[:] = rows[:, 0]
+    for column in range(1, width):
+        out += rows[:, column]
 
 
 def route_hash_runs(
