@@ -1,0 +1,18 @@
+"""benchmarks/frontend_bench.py's engine-alone baseline runs the streams through the engine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import frontend_bench
+
+
+def test_the_engine_alone_times_each_stream(llama_dir: Path) -> None:
+    """`latency --engine real`'s baseline: sequential streams through AsyncLLM on the same
+    model folder, first-output and between-output times in ms."""
+    figures = frontend_bench._engine_alone(str(llama_dir), "the cat sat", 1, 3, 5, 0.0)
+    assert set(figures) == {"engine_ttft_p50_ms", "engine_itl_p50_ms"}
+    assert 0 < figures["engine_itl_p50_ms"] < 10_000
+    assert 0 < figures["engine_ttft_p50_ms"] < 10_000
