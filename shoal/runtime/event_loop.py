@@ -55,7 +55,7 @@ async def _tick(interval_s: float) -> None:
     """Wake the loop every interval_s while the process is mostly idle, and only every
     BUSY_RECHECK_S while its threads use at least BUSY_CPU_SHARE of a core: its CPUs are
     warm then without the timer, and each wake-up would make a busy engine thread hand the
-    GIL over (an H200 host at full load: 2% of the output rate, 3 ms of ITL p50)."""
+    GIL over (an H200 host at full load: 2% of the output rate)."""
     idle_sleep_s, busy_sleep_s = interval_s, max(interval_s, BUSY_RECHECK_S)
     sleep_s = idle_sleep_s
     since, used = monotonic(), process_time()
