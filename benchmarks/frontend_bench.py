@@ -125,8 +125,7 @@ def children(pid: int) -> list[int]:
 class Deployment:
     """Mocker workers and a frontend on a private discovery folder; stop() ends them."""
 
-    def __init__(self, args: argparse.Namespace, work: Path) -> None:
-        model = make_model_dir(work / "model")
+    def __init__(self, args: argparse.Namespace, work: Path, model: Path) -> None:
         discovery = f"file://{work / 'discovery'}"
         self.trace = work / "trace" if args.trace else None
         shoal = ["-m", "shoal"]
@@ -290,14 +289,13 @@ def engine_alone(model: Path, args: argparse.Namespace) -> dict[str, float]:
 def _engine_alone(
     model: str, prompt: str, warmup: int, requests: int, max_tokens: int, gap_ms: float
 ) -> dict[str, float]:
-    from tokenizers import Tokenizer
-
     from shoal.engine.async_llm import AsyncLLM
     from shoal.engine.config import EngineConfig
     from shoal.engine.llm_engine import LLMEngine
     from shoal.protocol import EngineRequest, SamplingParams
+    from shoal.tokenizer.tokenizer import TextTokenizer
 
-    ids = Tokenizer.from_file(str(Path(model) / "tokenizer.json")).encode(prompt).ids
+    ids = TextTokenizer(model).encode(prompt)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
     async def streams(llm: AsyncLLM) -> tuple[list[float], list[float]]:
@@ -441,10 +439,9 @@ def main() -> None:
         raise SystemExit("--trace times the hand-offs of sequential streams: latency mode")
     load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="shoal-frontend-bench-"))
-    alone = {}
-    if args.engine == "real" and latency_mode:
-        alone = engine_alone(make_model_dir(work / "model"), args)
-    deployment = Deployment(args, work)
+    model = make_model_dir(work / "model")
+    alone = engine_alone(model, args) if args.engine == "real" and latency_mode else {}
+    deployment = Deployment(args, work, model)
     try:
         if latency_mode:
             figures = asyncio.run(latency(deployment.port, args))
