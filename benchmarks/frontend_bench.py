@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 from frontend_trace import breakdown
 from provenance import provenance
 
+from shoal.frontend.rehearsal import REHEARSAL_INTERVAL_MS
 from shoal.mocker.pacing import sleep_until
 from shoal.runtime.event_loop import KEEP_WARM_MS
 
@@ -146,6 +147,7 @@ class Deployment:
         frontend = [*shoal, "frontend", "--discovery", discovery, "--port", str(self.port)]
         frontend += ["--api-server-count", str(args.api_server_count), "--no-access-log"]
         frontend += ["--log-level", "warning", "--keep-warm-ms", str(args.keep_warm_ms)]
+        frontend += ["--rehearsal-interval-ms", str(args.rehearsal_interval_ms)]
         self.profile = work / "frontend.prof" if args.profile else None
         prefix = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
         self.frontend = self._start([sys.executable, *prefix, *frontend])
@@ -420,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=KEEP_WARM_MS,
         help="the worker's and frontend's --keep-warm-ms (0: their loops sleep until woken)",
     )
+    p.add_argument(
+        "--rehearsal-interval-ms",
+        type=float,
+        default=REHEARSAL_INTERVAL_MS,
+        help="the frontend's --rehearsal-interval-ms (0: no rehearsals)",
+    )
     p.add_argument("--no-record", action="store_true", help="print only, append nothing")
     return p
 
@@ -465,6 +473,7 @@ def main() -> None:
         "workers": args.workers,
         "api_server_count": args.api_server_count,
         "keep_warm_ms": args.keep_warm_ms,
+        "rehearsal_interval_ms": args.rehearsal_interval_ms,
         "max_tokens": args.max_tokens,
         "prompt_words": args.prompt_words,
         **({"requests": args.requests, "gap_ms": args.gap_ms} if latency_mode else {}),

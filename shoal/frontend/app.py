@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
@@ -23,6 +27,7 @@ from shoal.frontend.protocol_openai import (
     CompletionRequest,
     ErrorResponse,
 )
+from shoal.frontend.rehearsal import Rehearsal, Route
 from shoal.frontend.request_body import parse_body
 from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST, OpenAIServing, json_response
 from shoal.frontend.tokenizer_pool import TokenizerPool
@@ -100,6 +105,44 @@ def _document_generation_routes(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+async def _chat(serving: OpenAIServing, request: Request) -> Response:
+    return await serving.chat(await parse_body(request, ChatCompletionRequest), request)
+
+
+async def _completions(serving: OpenAIServing, request: Request) -> Response:
+    return await serving.completions(await parse_body(request, CompletionRequest), request)
+
+
+GENERATION_ROUTES = {"chat": _chat, "completions": _completions}  # a request's kind -> its work
+ROUTE_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # path -> kind
+
+
+def _endpoint(serving: OpenAIServing, work: Route) -> Callable[[Request], Awaitable[Response]]:
+    """The route's endpoint: `work` on the app's serving."""
+
+    async def endpoint(request: Request) -> Response:
+        return await work(serving, request)
+
+    return endpoint
+
+
+def _rehearsing(rehearsal: Rehearsal | None):
+    """The app's lifespan: rehearsal.run() in a task while the app serves (if any)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None if rehearsal is None else asyncio.create_task(rehearsal.run())
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    return lifespan
+
+
 def build_app(
     client: EngineClient,
     *,
@@ -111,6 +154,7 @@ def build_app(
     access_log: bool = False,
     tokenizers: TokenizerPool | None = None,
     parsers: ParserConfig | None = None,
+    rehearsal_interval_ms: float = 0.0,
 ) -> FastAPI:
     """The app: /v1/chat/completions, /v1/completions, /v1/models, /health, /live, /metrics.
 
@@ -121,6 +165,8 @@ def build_app(
     a completions request with more prompts is a 400. access_log: one `shoal.access` log
     line per /v1 request. tokenizers: where the models' tokenizers come from (default:
     each card's folder on this host). parsers: the tool-call and reasoning parsers.
+    rehearsal_interval_ms: while idle, rehearse the latest request's path this often
+    (rehearsal.py; 0: never).
     """
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1 (got {max_concurrency})")
@@ -134,20 +180,18 @@ def build_app(
     serving = OpenAIServing(client, metrics, max_prompts_per_request, parsers)
     if tokenizers is not None:
         serving.tokenizers = tokenizers
-    app = OpenAIApp(title="shoal", summary="OpenAI-compatible LLM serving")
+    rehearsal = None
+    if rehearsal_interval_ms:
+        rehearsal = Rehearsal(serving, GENERATION_ROUTES, rehearsal_interval_ms / 1e3)
+    app = OpenAIApp(
+        title="shoal", summary="OpenAI-compatible LLM serving", lifespan=_rehearsing(rehearsal)
+    )
     app.state.metrics = metrics
+    app.state.rehearsal = rehearsal
     install_error_handlers(app)
 
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat(await parse_body(request, ChatCompletionRequest), request)
-
-    async def completions(request: Request) -> Response:
-        return await serving.completions(await parse_body(request, CompletionRequest), request)
-
-    for path, endpoint in (
-        ("/v1/chat/completions", chat_completions),
-        ("/v1/completions", completions),
-    ):
+    for path, kind in ROUTE_KINDS.items():
+        endpoint = _endpoint(serving, GENERATION_ROUTES[kind])
         app.hot_routes[path] = endpoint
         app.add_route(path, endpoint, ["POST"], include_in_schema=False)
     _document_generation_routes(app)

@@ -16,10 +16,11 @@ import sys
 import threading
 import time
 
-from shoal.flags import Flag, FlagGroup, FlagParser
+from shoal.flags import Flag, FlagGroup, FlagParser, non_negative_float
 from shoal.frontend.app import MAX_REQUEST_BODY_BYTES
 from shoal.frontend.disagg_client import DISAGG
 from shoal.frontend.reasoning import REASONING_PARSER_NAMES
+from shoal.frontend.rehearsal import REHEARSAL_INTERVAL_MS
 from shoal.frontend.serving import MAX_PROMPTS_PER_REQUEST
 from shoal.frontend.tool_parsers import TOOL_PARSER_NAMES
 from shoal.frontend.tool_parsers.output import ParserConfig
@@ -77,6 +78,15 @@ FRONTEND = FlagGroup(
             "one `shoal.access` log line per /v1 request (benchmarks turn it off)",
             kind="toggle",
             default=True,
+        ),
+        Flag(
+            "rehearsal-interval-ms",
+            "while no request arrives, run a canned one through the request path this often "
+            "(milliseconds; 0: never), on an engine that answers at once and sends nothing, so "
+            "that the code of a request's first token stays in the CPU's caches: about 0.1 ms "
+            "of CPU each; skipped while the process uses half a core or more",
+            non_negative_float,
+            REHEARSAL_INTERVAL_MS,
         ),
         Flag(
             "migration-limit",
@@ -365,6 +375,7 @@ async def serve_frontend(
             max_prompts_per_request=args.max_prompts_per_request,
             access_log=args.access_log,
             parsers=parsers,
+            rehearsal_interval_ms=args.rehearsal_interval_ms,
             tokenizers=TokenizerPool(
                 WorkerModelFiles(runtime.requests, workers.endpoint.instances)
             ),

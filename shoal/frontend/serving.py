@@ -75,6 +75,7 @@ class OpenAIServing:
         self.parsers = parsers or ParserConfig()
         self.tokenizers = TokenizerPool()
         self.started = int(time.time())
+        self.latest: tuple[float, str, str] | None = None  # the last request: arrival, kind, model
 
     async def _model(self, name: str, request: Request) -> tuple[ModelCard, ModelTokenizer]:
         """The model's card and tokenizer: 404 for a model no worker has served, 503 while
@@ -94,6 +95,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         card, tok = await self._model(body.model, request)
+        self.latest = (arrival, "chat", body.model)
         preprocess.check_chat(body, tok)
         mode, function = preprocess.tool_choice(body, self.parsers)
         constraint = preprocess.chat_constraint(body, mode, function)
@@ -134,6 +136,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         card, tok = await self._model(body.model, request)
+        self.latest = (arrival, "completions", body.model)
         preprocess.check_completion(body, tok, self.max_prompts)
         prompts = await preprocess.completion_prompts(tok, body, card.context_length)
         longest = max(len(p.token_ids) for p in prompts)

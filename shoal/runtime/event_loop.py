@@ -51,20 +51,29 @@ async def _kept_warm(main: Coroutine[Any, Any, T], interval_s: float) -> T:
         ticker.cancel()
 
 
+class CpuLoad:
+    """Whether this process's threads use BUSY_CPU_SHARE of a core or more, judged over
+    windows of at least _LOAD_WINDOW_S: a look within a window repeats the last answer."""
+
+    def __init__(self) -> None:
+        self._since, self._used = monotonic(), process_time()
+        self._busy = False
+
+    def busy(self) -> bool:
+        now = monotonic()
+        if now - self._since >= _LOAD_WINDOW_S:
+            used = process_time()
+            self._busy = used - self._used >= BUSY_CPU_SHARE * (now - self._since)
+            self._since, self._used = now, used
+        return self._busy
+
+
 async def _tick(interval_s: float) -> None:
     """Wake the loop every interval_s while the process is mostly idle, and only every
     BUSY_RECHECK_S while its threads use at least BUSY_CPU_SHARE of a core: its CPUs are
     warm then without the timer, and each wake-up would make a busy engine thread hand the
     GIL over (an H200 host at full load: 2% of the output rate)."""
-    idle_sleep_s, busy_sleep_s = interval_s, max(interval_s, BUSY_RECHECK_S)
-    sleep_s = idle_sleep_s
-    since, used = monotonic(), process_time()
+    busy_sleep_s = max(interval_s, BUSY_RECHECK_S)
+    load = CpuLoad()
     while True:
-        await asyncio.sleep(sleep_s)
-        now = monotonic()
-        if now - since < _LOAD_WINDOW_S:
-            continue
-        now_used = process_time()
-        busy = now_used - used >= BUSY_CPU_SHARE * (now - since)
-        sleep_s = busy_sleep_s if busy else idle_sleep_s
-        since, used = now, now_used
+        await asyncio.sleep(busy_sleep_s if load.busy() else interval_s)
