@@ -83,7 +83,7 @@ FRONTEND = FlagGroup(
             "rehearsal-interval-ms",
             "while no request arrives, run a canned one through the request path this often "
             "(milliseconds; 0: never), on an engine that answers at once and sends nothing, so "
-            "that the code of a request's first token stays in the CPU's caches: about 0.1 ms "
+            "that the code of a request's first token stays in the CPU's caches: about 0.2 ms "
             "of CPU each; skipped while the process uses half a core or more",
             non_negative_float,
             REHEARSAL_INTERVAL_MS,

@@ -12,9 +12,9 @@ their response. What it leaves out does I/O or keeps state: HTTP parsing (uvicor
 app's middleware, the router and the request plane. Nothing it does shows outside it: its
 metrics go to a registry of its own, and its engine sends nothing.
 
-A rehearsal costs about 0.1 ms of CPU. It runs once per `interval_s` at most, only when no
-request has arrived for that long and the process uses less than half a core
-(event_loop.CpuLoad): a busy frontend keeps its code warm by serving.
+A rehearsal costs about 0.2 ms of CPU (the dev VM, warm). It runs once per `interval_s` at
+most, only when no request has arrived for that long and the process uses less than half a
+core (event_loop.CpuLoad): a busy frontend keeps its code warm by serving.
 """
 
 from __future__ import annotations
