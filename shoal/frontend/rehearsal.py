@@ -34,6 +34,7 @@ from shoal.frontend.errors import APIError
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.serving import OpenAIServing
 from shoal.protocol import EngineOutput, EngineRequest, ModelCard
+from shoal.runtime.codec import ENCODER, decoder
 from shoal.runtime.event_loop import CpuLoad
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,9 @@ Route = Callable[[OpenAIServing, Request], Awaitable[Response]]
 class InstantEngine:
     """An EngineClient over another one's models whose requests finish at once: each gets
     REPLY_TOKENS outputs of one token (its prompt's last), the last with a `length` finish.
-    Before each output it lets the loop run what is ready, so a rehearsal holds the loop
-    for a fraction of its time at a stretch, as a request's steps do."""
+    The request and its outputs go through the request plane's encoding and decoding (the
+    bytes are made and dropped), and before each output the loop runs what is ready, so a
+    rehearsal holds the loop for a fraction of its time at a stretch, as a request does."""
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -61,16 +63,19 @@ class InstantEngine:
         return self.client.live_models()
 
     async def generate(self, model: str, request: EngineRequest) -> AsyncGenerator[EngineOutput]:
+        ENCODER.encode(request)
+        decode = decoder(EngineOutput).decode
         token = int(request.prompt_token_ids[-1])
         for i in range(REPLY_TOKENS):
             await asyncio.sleep(0)
             last = i == REPLY_TOKENS - 1
-            yield EngineOutput(
+            out = EngineOutput(
                 request_id=request.request_id,
                 new_token_ids=[token],
                 finish_reason="length" if last else None,
                 num_prompt_tokens=len(request.prompt_token_ids),
             )
+            yield decode(ENCODER.encode(out))
 
 
 def canned_body(kind: str, model: str) -> bytes:
