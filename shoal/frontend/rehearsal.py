@@ -20,6 +20,7 @@ core (event_loop.CpuLoad): a busy frontend keeps its code warm by serving.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -78,8 +79,9 @@ class InstantEngine:
             yield decode(ENCODER.encode(out))
 
 
+@functools.lru_cache(maxsize=64)
 def canned_body(kind: str, model: str) -> bytes:
-    """A streamed request of `kind` ("chat" or "completions") for `model`."""
+    """A streamed request of `kind` ("chat" or "completions") for `model`, encoded once."""
     body: dict = {"model": model, "max_tokens": REPLY_TOKENS, "stream": True}
     body["stream_options"] = {"include_usage": True}
     if kind == "chat":
