@@ -17,6 +17,7 @@ from shoal.frontend.errors import install_error_handlers
 from shoal.frontend.hot_routes import OpenAIApp
 from shoal.frontend.metrics import FrontendMetrics
 from shoal.frontend.middleware import (
+    GENERATION_PATHS,
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     ConcurrencyLimitMiddleware,
@@ -114,7 +115,6 @@ async def _completions(serving: OpenAIServing, request: Request) -> Response:
 
 
 GENERATION_ROUTES = {"chat": _chat, "completions": _completions}  # a request's kind -> its work
-ROUTE_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # path -> kind
 
 
 def _endpoint(serving: OpenAIServing, work: Route) -> Callable[[Request], Awaitable[Response]]:
@@ -190,7 +190,7 @@ def build_app(
     app.state.rehearsal = rehearsal
     install_error_handlers(app)
 
-    for path, kind in ROUTE_KINDS.items():
+    for path, kind in GENERATION_PATHS.items():
         endpoint = _endpoint(serving, GENERATION_ROUTES[kind])
         app.hot_routes[path] = endpoint
         app.add_route(path, endpoint, ["POST"], include_in_schema=False)

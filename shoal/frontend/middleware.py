@@ -15,8 +15,9 @@ from shoal.frontend.metrics import FrontendMetrics
 
 access_log = logging.getLogger("shoal.access")
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-KNOWN_PATHS = GENERATION_PATHS | {"/v1/models"}
+# the generation routes' paths -> the kind of request each serves
+GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+KNOWN_PATHS = frozenset(GENERATION_PATHS) | {"/v1/models"}
 
 
 def _is_api(scope: Scope) -> bool:
