@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 
 import shoal.frontend
+from shoal.frontend import preprocess
 from shoal.frontend.engine_client import WorkerFailed
 from shoal.frontend.generation import merge
 from shoal.frontend.protocol_openai import ChatCompletionRequest, CompletionRequest
@@ -158,3 +160,45 @@ def test_an_invalid_body_gets_fastapis_errors(raw, loc):
     with pytest.raises(RequestValidationError) as caught:
         asyncio.run(parse_body(_body_request(raw), CompletionRequest))
     assert caught.value.errors()[0]["loc"][: len(loc)] == loc
+
+
+class _ThreadRecordingTokenizer:
+    """A ModelTokenizer whose text encoder records the thread each encode ran in."""
+
+    def __init__(self, tok: ModelTokenizer) -> None:
+        self.tok = tok
+        self.text = self
+        self.threads: list[str] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.tok, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return self.tok.text.encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize(
+    ("chars", "busy", "in_thread"),
+    [
+        (100, True, False),  # short: inline even while busy
+        (2_000, False, False),  # medium, idle: inline (the hop would add to TTFT)
+        (2_000, True, True),  # medium, busy: off the loop, beside other prompts
+        (5_000, False, True),  # long: always off the loop
+    ],
+)
+def test_long_prompts_are_tokenized_off_the_loop(llama_dir, monkeypatch, chars, busy, in_thread):
+    tok = ModelTokenizer(str(llama_dir))
+    recording = _ThreadRecordingTokenizer(tok)
+    monkeypatch.setattr(preprocess._load, "busy", lambda: busy)
+    text = ("shoal fish swim " * chars)[:chars]
+    body = CompletionRequest(model="m", prompt=text)
+
+    async def run() -> tuple[list[int], str]:
+        prompts = await preprocess.completion_prompts(recording, body, context=1 << 20)
+        return prompts[0].token_ids, threading.current_thread().name
+
+    ids, loop_thread = asyncio.run(run())
+    assert ids == tok.text.encode(text)
+    assert len(recording.threads) == 1
+    assert (recording.threads[0] != loop_thread) == in_thread
