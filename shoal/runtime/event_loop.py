@@ -24,6 +24,10 @@ KEEP_WARM_MS = 1.0  # the default wake-up interval of a server's event loop
 BUSY_CPU_SHARE = 0.5  # a process whose threads use this much of a core keeps warm by itself
 BUSY_RECHECK_S = 0.02  # how often a busy process looks whether it has gone idle
 _LOAD_WINDOW_S = 0.01  # the span over which the process's CPU use is judged
+# A server's threads hand the GIL over at most this far apart while one waits for it (the
+# interpreter's default is 5 ms): the worker's engine thread and its loop at each step's
+# hand-off, the frontend's loop and the threads that tokenize long prompts.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def run(main: Coroutine[Any, Any, T], keep_warm_ms: float = 0.0) -> T:

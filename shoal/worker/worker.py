@@ -46,6 +46,7 @@ from shoal.protocol import (
 )
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.errors import SHUTDOWN_CODE
+from shoal.runtime.event_loop import GIL_SWITCH_INTERVAL_S
 from shoal.runtime.request_server import StreamSink
 from shoal.worker.kv_publisher import KVPublisher, load_report
 from shoal.worker.metrics import StatsLogger, WorkerMetrics
@@ -53,9 +54,8 @@ from shoal.worker.metrics import StatsLogger, WorkerMetrics
 log = logging.getLogger(__name__)
 # The engine thread holds the GIL through each step's host work; the loop thread (requests
 # in, outputs out) would wait up to the interpreter's 5 ms switch interval at each hand-off.
-# With the host tier on, 0.5 ms took onboarded turns' TTFT p50 in kv_offload_bench serve
-# on the H100 from 136-183 to 85-123 ms (docs/kv-offload.md).
-GIL_SWITCH_INTERVAL_S = 0.0005
+# With the host tier on, GIL_SWITCH_INTERVAL_S (0.5 ms) took onboarded turns' TTFT p50 in
+# kv_offload_bench serve on the H100 from 136-183 to 85-123 ms (docs/kv-offload.md).
 
 LOAD_INTERVAL = 0.2  # seconds between load reports (and metric refreshes)
 DEFAULT_STATS_INTERVAL = 10.0  # seconds between engine stats log lines
