@@ -393,7 +393,7 @@ async def serve_frontend(
             watcher = asyncio.create_task(_exit_when_set(server, stop))
         sockets = [reuse_port_socket(args.host, args.port)] if reuse_port else None
         freeze_startup_objects()
-        # a thread tokenizing a long prompt (preprocess.py) waits this long at most for the
+        # a thread tokenizing a prompt (encoding.py) waits this long at most for the
         # busy loop to let it hand its token ids back
         sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)
         await server.serve(sockets)

@@ -11,6 +11,7 @@ from typing import TypeVar
 import jinja2
 import msgspec
 
+from shoal.frontend.encoding import LARGE_TEXT, encode_prompt
 from shoal.frontend.errors import bad_request
 from shoal.frontend.protocol_openai import (
     ChatCompletionRequest,
@@ -21,36 +22,15 @@ from shoal.frontend.protocol_openai import (
 from shoal.frontend.tokenizer_pool import ModelTokenizer
 from shoal.frontend.tool_parsers.output import ParserConfig
 from shoal.protocol import SamplingParams, StructuredOutputsParams
-from shoal.runtime.event_loop import CpuLoad
 
 T = TypeVar("T")
 
-# Chat templates longer than this (characters) are rendered in a thread, so a huge prompt
-# does not hold up every other request's tokens on the event loop for its whole length.
-LARGE_TEXT = 16_384
-# Texts are tokenized in a thread above ENCODE_IN_THREAD characters, and above
-# ENCODE_IN_THREAD_BUSY while the process is busy (event_loop.CpuLoad). The tokenizer lets
-# go of the GIL, so prompts are then tokenized on other cores, several at once, while the
-# loop streams: inline, a 2,300-token prompt held the loop 2.9 ms (dev VM), and one frontend
-# stopped at about 230 such requests a second. The hop to a thread costs 0.2-0.3 ms of TTFT
-# at low load, so short texts stay inline while the process is idle.
-ENCODE_IN_THREAD = 4_096
-ENCODE_IN_THREAD_BUSY = 512
-_load = CpuLoad()
-
 
 async def _cpu(size: int, fn: Callable[..., T], *args) -> T:
+    """fn(*args), in a thread for a text of `size` characters above LARGE_TEXT."""
     if size > LARGE_TEXT:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-async def _encode(tok: ModelTokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """The text's token ids, from a thread where it is long enough (see ENCODE_IN_THREAD)."""
-    size = len(text)
-    if size > ENCODE_IN_THREAD or (size > ENCODE_IN_THREAD_BUSY and _load.busy()):
-        return await asyncio.to_thread(tok.text.encode, text, add_special_tokens)
-    return tok.text.encode(text, add_special_tokens)
 
 
 @dataclass
@@ -158,7 +138,7 @@ async def chat_prompt(tok: ModelTokenizer, body: ChatCompletionRequest, context:
     size += sum(len(json.dumps(t.function.parameters or {})) for t in body.tools or ())
     check_text_size(tok, size, context, "messages")
     text = await _cpu(size, _render_chat, tok, body, messages)
-    token_ids = await _encode(tok, text, False)
+    token_ids = await encode_prompt(tok, text, False)
     return Prompt(token_ids, text)
 
 
@@ -177,7 +157,7 @@ async def completion_prompts(
     prompts = []
     for item in body.prompt:
         if isinstance(item, str):
-            ids = await _encode(tok, item, body.add_special_tokens)
+            ids = await encode_prompt(tok, item, body.add_special_tokens)
             if not ids:
                 raise bad_request("prompt encodes to no tokens", param="prompt")
             prompts.append(Prompt(ids, item))

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 
 import shoal.frontend
-from shoal.frontend import preprocess
+from shoal.frontend import encoding, preprocess
 from shoal.frontend.engine_client import WorkerFailed
 from shoal.frontend.generation import merge
 from shoal.frontend.protocol_openai import ChatCompletionRequest, CompletionRequest
@@ -179,18 +179,20 @@ class _ThreadRecordingTokenizer:
 
 
 @pytest.mark.parametrize(
-    ("chars", "busy", "in_thread"),
+    ("chars", "share", "in_thread"),
     [
-        (100, True, False),  # short: inline even while busy
-        (2_000, False, False),  # medium, idle: inline (the hop would add to TTFT)
-        (2_000, True, True),  # medium, busy: off the loop, beside other prompts
-        (5_000, False, True),  # long: always off the loop
+        (100, 0.9, False),  # short: inline even while tokenizing fills the core
+        (2_000, 0.1, False),  # medium, tokenizing takes little of the loop: inline
+        (2_000, 0.9, True),  # medium, tokenizing would fill the loop: beside it
+        (20_000, 0.0, True),  # long: always off the loop
     ],
 )
-def test_long_prompts_are_tokenized_off_the_loop(llama_dir, monkeypatch, chars, busy, in_thread):
+def test_prompts_are_tokenized_off_the_loop_when_long_or_when_tokenizing_fills_it(
+    llama_dir, monkeypatch, chars, share, in_thread
+):
     tok = ModelTokenizer(str(llama_dir))
     recording = _ThreadRecordingTokenizer(tok)
-    monkeypatch.setattr(preprocess._load, "busy", lambda: busy)
+    monkeypatch.setattr(encoding._share, "current", lambda: share)
     text = ("shoal fish swim " * chars)[:chars]
     body = CompletionRequest(model="m", prompt=text)
 
@@ -202,3 +204,17 @@ def test_long_prompts_are_tokenized_off_the_loop(llama_dir, monkeypatch, chars, 
     assert ids == tok.text.encode(text)
     assert len(recording.threads) == 1
     assert (recording.threads[0] != loop_thread) == in_thread
+
+
+def test_tokenize_share_is_the_latest_windows_encode_time_per_second():
+    now = [0.0]
+    share = encoding.TokenizeShare(window_s=0.1, clock=lambda: now[0])
+    share.add(0.010)
+    now[0] = 0.05
+    share.add(0.020)
+    assert share.current() == 0.0  # the first window is still open
+    now[0] = 0.1
+    assert share.current() == pytest.approx(0.3)  # 30 ms of tokenizing in 100 ms
+    share.add(0.005)
+    now[0] = 0.6  # then idle: the window that closes now spans 500 ms
+    assert share.current() == pytest.approx(0.01)
