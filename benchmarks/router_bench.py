@@ -64,6 +64,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from math import ceil
 from pathlib import Path
 
 import httpx
@@ -90,14 +91,22 @@ class Workload:
     # the modelled ones, and ratios between modes are unchanged.
     mocker_speedup: float = 1.0
     trace: bool = False  # replays --trace's --rows (the script adds --trace, --num-requests)
+    # A rate workload's arrivals span this many model seconds at every load (None: a fixed
+    # --num-requests in bench_args): a probe at a higher rate sends more requests rather
+    # than ending sooner, since a short overload can meet an SLO its queue would break.
+    span_s: float | None = None
 
     def args(self, load_scale: float, speedup: float = 1.0) -> list[str]:
         """`shoal bench run` arguments; `speedup` scales a rate (not a concurrency) with the
         mocker's clock, so the load in model time stays the same."""
         load = self.load * load_scale
+        count = [] if self.span_s is None else ["--num-requests", f"{ceil(self.span_s * load)}"]
         if self.load_flag != "--concurrency":
             load *= speedup
-        return [*self.bench_args.split(), self.load_flag, f"{load:g}"]
+        return [*self.bench_args.split(), *count, self.load_flag, f"{load:g}"]
+
+
+SHARED_PREFIX_SPAN_S = 30.0  # model seconds of shared-prefix arrivals: 1,500 at 50 req/s
 
 
 WORKLOADS = {
@@ -105,11 +114,13 @@ WORKLOADS = {
     # 2,048 tokens: their 4,000 blocks do not fit one worker's 2,048, a quarter of them do.
     "shared-prefix": Workload(
         "--workload shared-prefix --num-prefixes 31 --prefix-len 2048 --input-len 2304 "
-        "--output-len 16 --num-requests 1500",
+        "--output-len 16",
         load_flag="--rate",
         load=50,
         kv_blocks=2048,
-        about="31 groups x 2048-token prefix + 256 own tokens, 16 out, Poisson 50 req/s",
+        about="31 groups x 2048-token prefix + 256 own tokens, 16 out, Poisson 50 req/s "
+        "for 30 s (1,500 requests at load 1; more at higher loads)",
+        span_s=SHARED_PREFIX_SPAN_S,
     ),
     # 32 conversations at a time, each turn adds 512 tokens to the history; a conversation
     # keeps its history on one worker only if the router sends it back there.

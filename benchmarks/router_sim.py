@@ -14,8 +14,9 @@ Workloads (--workload), each as router_bench.py runs it live:
   lengths / 8, replayed at --speeds times the recorded rate. The KV router's defaults
   (overlap credit, queue weight) were tuned here on rows 0:1500 at 30x, so figures meant to
   measure the router, not fit it, need other rows and loads (e.g. --rows 1500:3000);
-- shared-prefix: 1,500 requests in 31 groups, each a 2,048-token group prefix plus 256
-  tokens of its own, 16 out, Poisson arrivals at 50 req/s times --speeds;
+- shared-prefix: requests in 31 groups, each a 2,048-token group prefix plus 256 tokens of
+  its own, 16 out, Poisson arrivals at 50 req/s times --speeds for 30 s (1,500 requests at
+  1x; a higher load sends more, so a probe does not end sooner);
 - multi-turn: 128 conversations of 5 turns, each turn adding 512 tokens to the history
   (with the previous reply), 64 out, 32 conversations in flight times --speeds; a turn is
   sent when the previous one finishes.
@@ -82,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goodput import highest_sustained
 from provenance import provenance
-from router_bench import MOONCAKE, RESULTS, parse_rows, tiny_model_dir
+from router_bench import MOONCAKE, RESULTS, SHARED_PREFIX_SPAN_S, parse_rows, tiny_model_dir
 
 from shoal.bench.trace import TraceEntry, TraceSynthesis, load_trace
 from shoal.engine.config import EngineConfig
@@ -168,10 +169,14 @@ def mooncake(entries: list[TraceEntry], requests: list[Request], speed: float) -
 
 def shared_prefix(vocab: int, load: float, seed: int = 0) -> Workload:
     """router_bench.py's shared-prefix: request i joins group i % 31 (2,048 shared tokens)
-    and adds 256 of its own, 16 out; Poisson arrivals at 50 x `load` req/s, drawn as
-    `shoal bench --seed` draws them."""
+    and adds 256 of its own, 16 out; Poisson arrivals at 50 x `load` req/s for
+    SHARED_PREFIX_SPAN_S (1,500 requests at load 1), drawn as `shoal bench --seed` draws
+    them."""
+    count = math.ceil(SHARED_PREFIX_SPAN_S * 50 * load)
     prefixes = [_tokens(f"prefix:{g}", 2048, vocab) for g in range(31)]
-    sessions = [[(prefixes[i % 31] + _tokens(f"request:{i}", 256, vocab), 16)] for i in range(1500)]
+    sessions = [
+        [(prefixes[i % 31] + _tokens(f"request:{i}", 256, vocab), 16)] for i in range(count)
+    ]
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / (50 * load), len(sessions) - 1)
     return Workload("shared-prefix", sessions, [0.0, *np.cumsum(gaps).tolist()])

@@ -107,3 +107,15 @@ def test_the_live_search_reads_p99_in_model_time_and_fails_a_load_with_errors():
     assert [load for load, _, _ in search["tried"]][:2] == [1.0, 2.0]
     assert all(p99 == pytest.approx(1000 * load**2, abs=1) for load, p99, _ in search["tried"])
     assert all(r["goodput_probe"] for r in search["runs"])
+
+
+@pytest.mark.parametrize(("load", "count"), [(1.0, 1500), (4.0, 6000), (0.5, 750)])
+def test_a_shared_prefix_probe_spans_the_same_time_at_every_load(load, count):
+    """Live and simulated, a higher load sends more requests over the same 30 s, rather than
+    the same requests over a shorter run (a short overload can meet the SLO)."""
+    argv = router_bench.WORKLOADS["shared-prefix"].args(load)
+    assert argv[argv.index("--num-requests") + 1] == str(count)
+    assert float(argv[argv.index("--rate") + 1]) == 50 * load
+    workload = router_sim.shared_prefix(vocab=300, load=load)
+    assert len(workload.sessions) == count
+    assert workload.arrivals[-1] == pytest.approx(router_bench.SHARED_PREFIX_SPAN_S, rel=0.1)
