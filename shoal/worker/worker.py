@@ -52,10 +52,6 @@ from shoal.worker.kv_publisher import KVPublisher, load_report
 from shoal.worker.metrics import StatsLogger, WorkerMetrics
 
 log = logging.getLogger(__name__)
-# The engine thread holds the GIL through each step's host work; the loop thread (requests
-# in, outputs out) would wait up to the interpreter's 5 ms switch interval at each hand-off.
-# With the host tier on, GIL_SWITCH_INTERVAL_S (0.5 ms) took onboarded turns' TTFT p50 in
-# kv_offload_bench serve on the H100 from 136-183 to 85-123 ms (docs/kv-offload.md).
 
 LOAD_INTERVAL = 0.2  # seconds between load reports (and metric refreshes)
 DEFAULT_STATS_INTERVAL = 10.0  # seconds between engine stats log lines
@@ -340,6 +336,10 @@ async def serve_worker(
     )
     gc.collect()
     gc.freeze()  # the engine's and the model's objects stay out of every full collection
+    # The engine thread holds the GIL through each step's host work; the loop thread
+    # (requests in, outputs out) would wait up to the interpreter's 5 ms switch interval at
+    # each hand-off. With the host tier on, 0.5 ms took onboarded turns' TTFT p50 in
+    # kv_offload_bench serve on the H100 from 136-183 to 85-123 ms (docs/kv-offload.md).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         stopped = asyncio.create_task(stop.wait())
