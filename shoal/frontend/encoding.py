@@ -30,7 +30,9 @@ class TokenizeShare:
     """The share of a core that tokenizing took over the latest window of at least
     `window_s` (inline or in threads: every encode's own duration counts)."""
 
-    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.window_s = window_s
         self.clock = clock
         self.share = 0.0
