@@ -68,38 +68,62 @@ class BlockTable:
 
     def leading_ids(self, keys: np.ndarray) -> np.ndarray:
         """The ids of a sequence's blocks (chained hashes, in order) up to the first one
-        absent. Blocks stored together were given consecutive ids, so only every
-        _STRIDE-th key is looked up in the slots: the ids between are guessed from the one
-        before and checked against key_of and the live ids (reads in id order, not
-        scattered ones), and only the keys guessed wrong are looked up."""
+        absent. Blocks stored together were given consecutive ids, so the ids are guessed
+        and checked against key_of (reads in id order, not scattered ones) rather than
+        looked up in the slots: first every id from the first key's (a prefix stored in
+        one go costs one lookup), then, from the first wrong guess on, from the ids of
+        every _STRIDE-th key, looking up only the keys guessed wrong."""
         n = len(keys)
         if n < 4 * _STRIDE:
-            ids = self.ids(keys)
-        else:
-            anchors = self.ids(keys[::_STRIDE])
-            absent = np.flatnonzero(anchors < 0)
-            end = int(absent[0]) * _STRIDE if len(absent) else n  # no key from there is needed
-            keys = keys[:end]
-            ids = np.repeat(anchors[: -(-end // _STRIDE)], _STRIDE)[:end]
-            ids += _offsets(end)
-            wrong = ids >= self._next
-            guess = np.minimum(ids, self._next - 1)
-            wrong |= np.take(self.key_of, guess) != keys
-            wrong |= np.take(self._slot_of, guess) < 0  # a freed id still names its last key
-            wrong = np.flatnonzero(wrong)
-            if len(wrong):
-                ids[wrong] = self.ids(keys[wrong])
+            return self._leading(self.ids(keys))
+        first = self._id_of_key(int(keys[0]))
+        if first < 0:
+            return np.zeros(0, np.int64)
+        ids = np.arange(first, first + n)
+        wrong = self._wrong_guesses(ids, keys)
+        if not len(wrong):
+            return ids
+        start = int(wrong[0])
+        return np.concatenate((ids[:start], self._strided_ids(keys[start:])))
+
+    def _strided_ids(self, keys: np.ndarray) -> np.ndarray:
+        """leading_ids from every _STRIDE-th key's id."""
+        n = len(keys)
+        if n < 4 * _STRIDE:
+            return self._leading(self.ids(keys))
+        anchors = self.ids(keys[::_STRIDE])
+        absent = np.flatnonzero(anchors < 0)
+        end = int(absent[0]) * _STRIDE if len(absent) else n  # no key from there is needed
+        keys = keys[:end]
+        ids = np.repeat(anchors[: -(-end // _STRIDE)], _STRIDE)[:end]
+        ids += _offsets(end)
+        wrong = self._wrong_guesses(ids, keys)
+        if len(wrong):
+            ids[wrong] = self.ids(keys[wrong])
+        return self._leading(ids)
+
+    def _wrong_guesses(self, ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Where a guessed id does not name its key. A freed id's key_of is 0, so only a key
+        of 0 (a chance of 2**-64 a block) could take a freed id: its mask is empty, so the
+        prefix would only end early there."""
+        wrong = ids >= self._next
+        wrong |= np.take(self.key_of, np.minimum(ids, self._next - 1)) != keys
+        return np.flatnonzero(wrong)
+
+    @staticmethod
+    def _leading(ids: np.ndarray) -> np.ndarray:
+        """ids up to the first absent one (-1)."""
         missing = np.flatnonzero(ids < 0)
         return ids[: missing[0]] if len(missing) else ids
 
     def leading_ids_short(self, keys: list[int]) -> list[int]:
         """leading_ids for a few keys, in Python (numpy's cost per call would dominate): each
         key is first tried at the id after the one before, then looked up in the slots."""
-        key_of, slot_of = memoryview(self.key_of), memoryview(self._slot_of)
+        key_of = memoryview(self.key_of)
         ids: list[int] = []
         guess, end = 0, self._next
         for key in keys:
-            if not (guess < end and key_of[guess] == key and slot_of[guess] >= 0):
+            if not (guess < end and key_of[guess] == key):  # a freed id's key_of is 0
                 guess = self._id_of_key(key)
                 if guess < 0:
                     break
@@ -146,6 +170,7 @@ class BlockTable:
         ids = ids[first]
         self._ids[slots[first]] = GONE
         self._slot_of[ids] = -1
+        self.key_of[ids] = 0  # leading_ids' guesses never take a freed id for its old key
         self._free.extend(ids.tolist())
         self.live -= len(ids)
 
@@ -169,20 +194,19 @@ class BlockTable:
         slot alone (where most keys are); then each pass reads a window of slots per key,
         wider after the first, so the few keys in long clusters cost few passes."""
         pos = self._home(keys)
-        found = np.full(len(keys), -1, np.intp)
-        free = np.full(len(keys), -1, np.intp)
-        todo = np.arange(len(keys))
-        if len(todo) > _ONE_PROBE_FIRST:
+        if len(keys) > _ONE_PROBE_FIRST:
             ids = np.take(self._ids, pos)
             hit = np.take(self._keys, pos) == keys
             hit &= ids >= 0
-            found[todo[hit]] = pos[hit]
-            if open_slots:
-                first = (ids < 0) & (np.take(free, todo) < 0)
-                free[todo[first]] = pos[first]
-            go_on = np.flatnonzero((ids != EMPTY) > hit)  # neither found nor at an empty slot
-            todo, keys = np.take(todo, go_on), np.take(keys, go_on)
-            pos = (np.take(pos, go_on) + 1) & self._mask
+            found = np.where(hit, pos, -1)
+            free = np.where(ids < 0, pos, -1) if open_slots else np.full(len(keys), -1, np.intp)
+            todo = np.flatnonzero((ids != EMPTY) > hit)  # neither found nor at an empty slot
+            keys = np.take(keys, todo)
+            pos = (np.take(pos, todo) + 1) & self._mask
+        else:
+            found = np.full(len(keys), -1, np.intp)
+            free = np.full(len(keys), -1, np.intp)
+            todo = np.arange(len(keys))
         window_slots = _WINDOW
         while len(todo):
             if len(todo) <= _FEW:

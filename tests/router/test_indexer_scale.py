@@ -152,6 +152,21 @@ def test_leading_ids_guess_consecutive_ids_and_look_up_the_rest():
             assert table.leading_ids(keys).tolist() == looked_up[:depth].tolist()
 
 
+def test_leading_ids_follow_a_prefix_stored_in_two_goes():
+    """The guess from the first key's id holds up to where the second store began; from
+    there the ids come from strided guesses, and a removed block ends the prefix."""
+    rng = np.random.default_rng(11)
+    keys = rng.integers(0, 2**64, 1000, np.uint64)
+    table = BlockTable()
+    table.add(keys[:600])
+    table.add(rng.integers(0, 2**64, 77, np.uint64))  # another sequence's blocks between
+    table.add(keys[600:])
+    assert table.leading_ids(keys).tolist() == table.ids(keys).tolist()
+    assert table.leading_ids(keys).tolist() == [*range(600), *range(677, 1077)]
+    table.remove(table.ids(keys[900:901]))
+    assert table.leading_ids(keys).tolist() == [*range(600), *range(677, 977)]
+
+
 def test_leading_ids_never_guess_a_freed_id():
     """A key removed and added again under another id: its old id, free, still names it
     in key_of, and sits where the guess from the run's first id lands."""
