@@ -106,21 +106,38 @@ class Workload:
         return [*self.bench_args.split(), *count, self.load_flag, f"{load:g}"]
 
 
-SHARED_PREFIX_SPAN_S = 30.0  # model seconds of shared-prefix arrivals: 1,500 at 50 req/s
+@dataclass(frozen=True)
+class SharedPrefixShape:
+    """The shared-prefix workload, as run live here and simulated by router_sim.py."""
+
+    # 31 groups (prime, so round-robin's cycle does not line groups up with workers) of
+    # 2,048 tokens: their 4,000 blocks do not fit one worker's 2,048, a quarter of them do.
+    groups: int = 31
+    prefix_len: int = 2048
+    own_len: int = 256  # each request's own tokens after its group's prefix
+    output_len: int = 16
+    rate: int = 50  # requests per second at load 1
+    span_s: float = 30.0  # model seconds of arrivals at every load: 1,500 requests at load 1
+
+
+SHARED_PREFIX = SharedPrefixShape()
 
 
 WORKLOADS = {
-    # 31 prefixes (prime, so round-robin's cycle does not line groups up with workers) of
-    # 2,048 tokens: their 4,000 blocks do not fit one worker's 2,048, a quarter of them do.
     "shared-prefix": Workload(
-        "--workload shared-prefix --num-prefixes 31 --prefix-len 2048 --input-len 2304 "
-        "--output-len 16",
+        f"--workload shared-prefix --num-prefixes {SHARED_PREFIX.groups} "
+        f"--prefix-len {SHARED_PREFIX.prefix_len} "
+        f"--input-len {SHARED_PREFIX.prefix_len + SHARED_PREFIX.own_len} "
+        f"--output-len {SHARED_PREFIX.output_len}",
         load_flag="--rate",
-        load=50,
+        load=SHARED_PREFIX.rate,
         kv_blocks=2048,
-        about="31 groups x 2048-token prefix + 256 own tokens, 16 out, Poisson 50 req/s "
-        "for 30 s (1,500 requests at load 1; more at higher loads)",
-        span_s=SHARED_PREFIX_SPAN_S,
+        about=f"{SHARED_PREFIX.groups} groups x {SHARED_PREFIX.prefix_len}-token prefix + "
+        f"{SHARED_PREFIX.own_len} own tokens, {SHARED_PREFIX.output_len} out, Poisson "
+        f"{SHARED_PREFIX.rate:g} req/s for {SHARED_PREFIX.span_s:g} s "
+        f"({ceil(SHARED_PREFIX.span_s * SHARED_PREFIX.rate):,} requests at load 1; more at "
+        "higher loads)",
+        span_s=SHARED_PREFIX.span_s,
     ),
     # 32 conversations at a time, each turn adds 512 tokens to the history; a conversation
     # keeps its history on one worker only if the router sends it back there.

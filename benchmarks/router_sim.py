@@ -83,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goodput import highest_sustained
 from provenance import provenance
-from router_bench import MOONCAKE, RESULTS, SHARED_PREFIX_SPAN_S, parse_rows, tiny_model_dir
+from router_bench import MOONCAKE, RESULTS, SHARED_PREFIX, parse_rows, tiny_model_dir
 
 from shoal.bench.trace import TraceEntry, TraceSynthesis, load_trace
 from shoal.engine.config import EngineConfig
@@ -168,17 +168,23 @@ def mooncake(entries: list[TraceEntry], requests: list[Request], speed: float) -
 
 
 def shared_prefix(vocab: int, load: float, seed: int = 0) -> Workload:
-    """router_bench.py's shared-prefix: request i joins group i % 31 (2,048 shared tokens)
-    and adds 256 of its own, 16 out; Poisson arrivals at 50 x `load` req/s for
-    SHARED_PREFIX_SPAN_S (1,500 requests at load 1), drawn as `shoal bench --seed` draws
-    them."""
-    count = math.ceil(SHARED_PREFIX_SPAN_S * 50 * load)
-    prefixes = [_tokens(f"prefix:{g}", 2048, vocab) for g in range(31)]
+    """router_bench.py's shared-prefix (SHARED_PREFIX): request i joins group i % groups
+    (its prefix_len shared tokens) and adds own_len of its own; Poisson arrivals at rate x
+    `load` req/s for span_s, drawn as `shoal bench --seed` draws them."""
+    shape = SHARED_PREFIX
+    count = math.ceil(shape.span_s * shape.rate * load)
+    prefixes = [_tokens(f"prefix:{g}", shape.prefix_len, vocab) for g in range(shape.groups)]
     sessions = [
-        [(prefixes[i % 31] + _tokens(f"request:{i}", 256, vocab), 16)] for i in range(count)
+        [
+            (
+                prefixes[i % shape.groups] + _tokens(f"request:{i}", shape.own_len, vocab),
+                shape.output_len,
+            )
+        ]
+        for i in range(count)
     ]
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / (50 * load), len(sessions) - 1)
+    gaps = rng.exponential(1.0 / (shape.rate * load), len(sessions) - 1)
     return Workload("shared-prefix", sessions, [0.0, *np.cumsum(gaps).tolist()])
 
 

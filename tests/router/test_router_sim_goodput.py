@@ -118,4 +118,4 @@ def test_a_shared_prefix_probe_spans_the_same_time_at_every_load(load, count):
     assert float(argv[argv.index("--rate") + 1]) == 50 * load
     workload = router_sim.shared_prefix(vocab=300, load=load)
     assert len(workload.sessions) == count
-    assert workload.arrivals[-1] == pytest.approx(router_bench.SHARED_PREFIX_SPAN_S, rel=0.1)
+    assert workload.arrivals[-1] == pytest.approx(router_bench.SHARED_PREFIX.span_s, rel=0.1)
