@@ -121,6 +121,10 @@ def engine_half(args: argparse.Namespace) -> dict:
         for out in outputs:
             times.saw(out.request_id, now, out.finished)
     wall = time.perf_counter() - start
+    # The closed loop sends the same prompts again: without this it would find them in
+    # the prefix cache (a large GPU keeps the whole workload's blocks) and skip prefill.
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset before the closed loop")
     closed_times = TokenTimes()
     closed = asyncio.run(closed_loop(engine, requests, args.concurrency, closed_times))
     return {
