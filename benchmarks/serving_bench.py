@@ -135,6 +135,8 @@ def engine_half(args: argparse.Namespace) -> dict:
         "closed_loop_output_tok_s": float(outs.sum()) / closed,
         "closed_loop_saturated_output_tok_s": closed_times.saturated_rate(requests),
         "closed_loop_ttft_p50_ms": closed_times.ttft_p50_ms(),
+        "closed_loop_ttft_p99_ms": closed_times.ttft_p99_ms(),
+        "closed_loop_tpot_p50_ms": closed_times.tpot_p50_ms(requests),
         "closed_loop_ttft_full_load_p50_ms": closed_times.full_load_ttft_p50_ms(),
         "closed_loop_itl_p50_ms": closed_times.itl_p50_ms(),
         "prompt_tokens_p50": float(np.median(ins)),
@@ -179,6 +181,17 @@ class TokenTimes:
 
     def ttft_p50_ms(self) -> float:
         return 1e3 * float(np.median(self._ttfts()))
+
+    def ttft_p99_ms(self) -> float:
+        return 1e3 * float(np.percentile(self._ttfts(), 99))  # as shoal bench's stats
+
+    def tpot_p50_ms(self, requests: list) -> float | None:
+        """Per request (end - first token) / (output tokens - 1), as shoal bench's TPOT."""
+        tokens = {f"c{r.request_id}": r.sampling.max_tokens for r in requests}
+        tpots = [
+            (self.end[i] - self.first[i]) / (tokens[i] - 1) for i in self.submit if tokens[i] > 1
+        ]
+        return 1e3 * float(np.median(tpots)) if tpots else None
 
     def full_load_ttft_p50_ms(self) -> float | None:
         """TTFT p50 of the requests submitted once the first one ended (bench.metrics)."""
@@ -396,7 +409,9 @@ def _table(record: dict) -> str:
             f"{_rate(engine['closed_loop_saturated_output_tok_s']):>11}"
             f"  TTFT p50 {_ms(engine['closed_loop_ttft_p50_ms'])}"
             f"{_full_load(engine.get('closed_loop_ttft_full_load_p50_ms'))}"
-            f"  ITL p50 {_ms(engine.get('closed_loop_itl_p50_ms'))} (in-process, "
+            f"  ITL p50 {_ms(engine.get('closed_loop_itl_p50_ms'))}"
+            f"  TPOT p50 {_ms(engine.get('closed_loop_tpot_p50_ms'))}"
+            f"  TTFT p99 {_ms(engine.get('closed_loop_ttft_p99_ms'))} (in-process, "
             f"{w['concurrency']} in flight)"
         )
     if "serve" in record:
@@ -406,7 +421,7 @@ def _table(record: dict) -> str:
             f"{_rate(s['saturated_output_tok_s']):>11}"
             f"  TTFT p50 {_ms(s['ttft_p50_ms'])}{_full_load(s.get('ttft_full_load_p50_ms'))}"
             f"  ITL p50 {_ms(s['itl_p50_ms'])}  TPOT p50 {_ms(s['tpot_p50_ms'])}"
-            f"  errors {s['errors']}"
+            f"  TTFT p99 {_ms(s['ttft_p99_ms'])}  errors {s['errors']}"
         )
     if "engine" in record and "serve" in record and record["engine"].get("closed_loop_itl_p50_ms"):
         s, engine = record["serve"], record["engine"]
