@@ -4,7 +4,9 @@
 
 Draws one workload (input and output lengths uniform in [100, 1024], the draws `shoal bench
 run --seed S` makes), runs it through LLMEngine offline (all requests submitted at once) in a
-process of its own, then through `shoal serve --workers 1 --load-format dummy` driven by
+process of its own, and there again as a closed loop through AsyncLLM (--concurrency in
+flight, from an empty prefix cache: records before ab35f8d found the offline pass's prompts
+still cached), then through `shoal serve --workers 1 --load-format dummy` driven by
 `shoal bench run --concurrency C` (completions, ignore_eos, a word tokenizer of the model's
 full vocabulary so prompts are token-exact), and prints serve / engine output tok/s, over
 the whole run and at full load (bench.metrics.saturated_output_rate). Both halves use the
