@@ -139,6 +139,7 @@ def engine_half(args: argparse.Namespace) -> dict:
         "closed_loop_ttft_p50_ms": closed_times.ttft_p50_ms(),
         "closed_loop_ttft_p99_ms": closed_times.ttft_p99_ms(),
         "closed_loop_tpot_p50_ms": closed_times.tpot_p50_ms(requests),
+        "closed_loop_cached_prompt_tokens": closed_times.cached_tokens,
         "closed_loop_ttft_full_load_p50_ms": closed_times.full_load_ttft_p50_ms(),
         "closed_loop_itl_p50_ms": closed_times.itl_p50_ms(),
         "prompt_tokens_p50": float(np.median(ins)),
@@ -155,6 +156,7 @@ class TokenTimes:
         self.end: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.gaps: list[float] = []
+        self.cached_tokens = 0  # prompt tokens the prefix cache held (closed loop only)
 
     def saw(self, request_id: str, now: float, finished: bool) -> None:
         previous = self.last.get(request_id)
@@ -216,6 +218,8 @@ async def closed_loop(engine, requests: list, concurrency: int, times: TokenTime
             times.submit[request.request_id] = time.perf_counter()
             async for out in llm.generate(request):
                 times.saw(out.request_id, time.perf_counter(), out.finished)
+                if out.finished:
+                    times.cached_tokens += out.num_cached_tokens
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
