@@ -75,7 +75,7 @@ class BlockTable:
         every _STRIDE-th key, looking up only the keys guessed wrong."""
         n = len(keys)
         if n < 4 * _STRIDE:
-            return self._leading(self.ids(keys))
+            return self._strided_ids(keys)
         first = self._id_of_key(int(keys[0]))
         if first < 0:
             return np.zeros(0, np.int64)
@@ -87,10 +87,10 @@ class BlockTable:
         return np.concatenate((ids[:start], self._strided_ids(keys[start:])))
 
     def _strided_ids(self, keys: np.ndarray) -> np.ndarray:
-        """leading_ids from every _STRIDE-th key's id."""
+        """leading_ids from every _STRIDE-th key's id (a short sequence: every key's)."""
         n = len(keys)
         if n < 4 * _STRIDE:
-            return self._leading(self.ids(keys))
+            return self._up_to_absent(self.ids(keys))
         anchors = self.ids(keys[::_STRIDE])
         absent = np.flatnonzero(anchors < 0)
         end = int(absent[0]) * _STRIDE if len(absent) else n  # no key from there is needed
@@ -100,7 +100,7 @@ class BlockTable:
         wrong = self._wrong_guesses(ids, keys)
         if len(wrong):
             ids[wrong] = self.ids(keys[wrong])
-        return self._leading(ids)
+        return self._up_to_absent(ids)
 
     def _wrong_guesses(self, ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Where a guessed id does not name its key. A freed id's key_of is 0, so only a key
@@ -111,7 +111,7 @@ class BlockTable:
         return np.flatnonzero(wrong)
 
     @staticmethod
-    def _leading(ids: np.ndarray) -> np.ndarray:
+    def _up_to_absent(ids: np.ndarray) -> np.ndarray:
         """ids up to the first absent one (-1)."""
         missing = np.flatnonzero(ids < 0)
         return ids[: missing[0]] if len(missing) else ids
