@@ -171,13 +171,17 @@ class TokenTimes:
     def itl_p50_ms(self) -> float | None:
         return 1e3 * float(np.median(self.gaps)) if self.gaps else None
 
-    def saturated_rate(self, requests: list) -> float | None:
-        ids = list(self.first)
+    def _output_tokens(self, requests: list) -> dict[str, int]:
+        """Each request seen -> its output tokens (closed-loop ids carry a "c" prefix)."""
         tokens = {r.request_id: r.sampling.max_tokens for r in requests}
+        return {i: tokens[i.removeprefix("c")] for i in self.first}
+
+    def saturated_rate(self, requests: list) -> float | None:
+        outputs = self._output_tokens(requests)
         return saturated_output_rate(
-            [self.first[i] for i in ids],
-            [self.end[i] for i in ids],
-            [tokens[i.removeprefix("c")] for i in ids],
+            [self.first[i] for i in outputs],
+            [self.end[i] for i in outputs],
+            list(outputs.values()),
         )
 
     def _ttfts(self) -> list[float]:
@@ -191,10 +195,8 @@ class TokenTimes:
 
     def tpot_p50_ms(self, requests: list) -> float | None:
         """Per request (end - first token) / (output tokens - 1), as shoal bench's TPOT."""
-        tokens = {f"c{r.request_id}": r.sampling.max_tokens for r in requests}
-        tpots = [
-            (self.end[i] - self.first[i]) / (tokens[i] - 1) for i in self.submit if tokens[i] > 1
-        ]
+        outputs = self._output_tokens(requests)
+        tpots = [(self.end[i] - self.first[i]) / (n - 1) for i, n in outputs.items() if n > 1]
         return 1e3 * float(np.median(tpots)) if tpots else None
 
     def full_load_ttft_p50_ms(self) -> float | None:
