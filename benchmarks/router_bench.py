@@ -95,13 +95,21 @@ class Workload:
     # --num-requests in bench_args): a probe at a higher rate sends more requests rather
     # than ending sooner, since a short overload can meet an SLO its queue would break.
     span_s: float | None = None
+    # A closed loop runs this many sessions per session in flight at every load (None: a
+    # fixed --num-sessions in bench_args): a probe at a higher load runs more sessions
+    # rather than one burst of them all.
+    sessions_per_slot: int | None = None
 
     def args(self, load_scale: float, speedup: float = 1.0) -> list[str]:
         """`shoal bench run` arguments; `speedup` scales a rate (not a concurrency) with the
         mocker's clock, so the load in model time stays the same."""
         load = self.load * load_scale
         count = [] if self.span_s is None else ["--num-requests", f"{ceil(self.span_s * load)}"]
-        if self.load_flag != "--concurrency":
+        if self.load_flag == "--concurrency":
+            load = max(1, round(load))  # whole sessions in flight
+            if self.sessions_per_slot is not None:
+                count = ["--num-sessions", str(self.sessions_per_slot * load)]
+        else:
             load *= speedup
         return [*self.bench_args.split(), *count, self.load_flag, f"{load:g}"]
 
@@ -123,6 +131,29 @@ class SharedPrefixShape:
 SHARED_PREFIX = SharedPrefixShape()
 
 
+@dataclass(frozen=True)
+class MultiTurnShape:
+    """The multi-turn workload, as run live here and simulated by router_sim.py."""
+
+    in_flight: int = 32  # sessions in flight at load 1
+    # Sessions per one in flight, at every load: 128 sessions at load 1, and a probe at a
+    # higher load as many turns long, where a fixed 128 would start them all at once.
+    sessions_per_slot: int = 4
+    turns: int = 5
+    turn_len: int = 512  # new tokens a turn, after the history (earlier turns and replies)
+    output_len: int = 64
+
+    def concurrency(self, load: float) -> int:
+        """Sessions in flight at `load`."""
+        return max(1, round(self.in_flight * load))
+
+    def sessions(self, load: float) -> int:
+        return self.sessions_per_slot * self.concurrency(load)
+
+
+MULTI_TURN = MultiTurnShape()
+
+
 WORKLOADS = {
     "shared-prefix": Workload(
         f"--workload shared-prefix --num-prefixes {SHARED_PREFIX.groups} "
@@ -142,11 +173,16 @@ WORKLOADS = {
     # 32 conversations at a time, each turn adds 512 tokens to the history; a conversation
     # keeps its history on one worker only if the router sends it back there.
     "multi-turn": Workload(
-        "--workload multi-turn --num-sessions 128 --turns 5 --input-len 512 --output-len 64",
+        f"--workload multi-turn --turns {MULTI_TURN.turns} --input-len {MULTI_TURN.turn_len} "
+        f"--output-len {MULTI_TURN.output_len}",
         load_flag="--concurrency",
-        load=32,
+        load=MULTI_TURN.in_flight,
         kv_blocks=2048,
-        about="128 sessions x 5 turns of +512 tokens, 64 out, 32 sessions in flight",
+        about=f"{MULTI_TURN.sessions_per_slot} sessions per session in flight x "
+        f"{MULTI_TURN.turns} turns of +{MULTI_TURN.turn_len} tokens, {MULTI_TURN.output_len} "
+        f"out, {MULTI_TURN.in_flight} sessions in flight ({MULTI_TURN.sessions(1)} sessions at "
+        "load 1; more at higher loads)",
+        sessions_per_slot=MULTI_TURN.sessions_per_slot,
     ),
     # 1,500 requests of Mooncake's conversation trace (--rows, default 0:1500) with lengths
     # / 8 (a 512-token hash block becomes 64 tokens), on workers with an 8B H100's KV cache

@@ -119,3 +119,15 @@ def test_a_shared_prefix_probe_spans_the_same_time_at_every_load(load, count):
     workload = router_sim.shared_prefix(vocab=300, load=load)
     assert len(workload.sessions) == count
     assert workload.arrivals[-1] == pytest.approx(router_bench.SHARED_PREFIX.span_s, rel=0.1)
+
+
+@pytest.mark.parametrize(("load", "in_flight"), [(1.0, 32), (1.41, 45), (4.0, 128), (0.01, 1)])
+def test_a_multi_turn_probe_runs_as_many_turns_a_session_slot_at_every_load(load, in_flight):
+    """Live and simulated, whole sessions in flight (shoal bench takes an integer) and four
+    times as many sessions in all: a higher load is not one burst of the same 128."""
+    argv = router_bench.WORKLOADS["multi-turn"].args(load)
+    assert argv[argv.index("--concurrency") + 1] == str(in_flight)
+    assert argv[argv.index("--num-sessions") + 1] == str(4 * in_flight)
+    workload = router_sim.multi_turn(vocab=300, load=load)
+    assert workload.concurrency == in_flight and len(workload.sessions) == 4 * in_flight
+    assert {len(turns) for turns in workload.sessions} == {router_bench.MULTI_TURN.turns}
