@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/frontend_bench.py ceiling --api-server-count 1
     .venv/bin/python benchmarks/frontend_bench.py ceiling --api-server-count 1 --profile
     .venv/bin/python benchmarks/frontend_bench.py latency --step-ms 10 --trace
+    .venv/bin/python benchmarks/frontend_bench.py burst
 
 Starts `shoal worker --engine mocker` processes whose every step takes exactly --step-ms
 (every other timing coefficient 0) and a `shoal frontend` (--api-server-count N) on one file
@@ -28,6 +29,11 @@ frontend process (or N) delivers to clients, with the CPU seconds each process u
 own. It also counts SSE events: a stream's tokens that reach the frontend together share
 an event, so tokens per event show how far behind the frontend ran (with --step-ms 10 and
 hundreds of streams, each step's token is its own event while the frontend keeps up).
+burst: --concurrency requests (default 256, as serving_bench.py opens) sent at once on
+connections opened before, each a --prompt-words prompt (default 512) for one token, with
+1 ms mocker steps, --rounds times after one burst not measured: how soon the burst's first
+tokens come back while the frontend prepares the rest (TTFT of the burst's first request,
+p50 and last, each the median over the rounds).
 --profile runs the frontend (one process) under cProfile and records where its time goes.
 --trace (latency) runs the frontend and the worker under frontend_trace.py and records the
 median time of each hand-off a request and its tokens pass through (HTTP in, the endpoint,
@@ -73,6 +79,7 @@ VOCAB = 4096
 TIMING = ("prefill-token-us", "prefill-attention-ns", "decode-seq-us", "decode-kv-ns")
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
 END = b"\r\n0\r\n\r\n"  # the last chunk of a chunked HTTP/1.1 body
+BURST_GAP_S = 0.3  # idle time between two bursts
 
 
 def make_model_dir(folder: Path) -> Path:
@@ -275,6 +282,38 @@ async def latency(port: int, args: argparse.Namespace) -> dict:
     return ms
 
 
+async def burst(port: int, args: argparse.Namespace) -> dict:
+    """--rounds bursts of --concurrency requests sent at once: TTFT (ms) of the first, the
+    median and the last request of each, the medians over the bursts."""
+    connections = [
+        await asyncio.open_connection("127.0.0.1", port) for _ in range(args.concurrency)
+    ]
+    request = request_bytes(port, args.max_tokens, args.prompt_words)
+
+    async def first_token_at(reader, writer) -> float:
+        times: list[float] = []
+        await stream_once(reader, writer, request, times)
+        return times[0]
+
+    rounds = []
+    for i in range(1 + args.rounds):
+        start = time.perf_counter()
+        arrivals = await asyncio.gather(*(first_token_at(*c) for c in connections))
+        times = sorted(t - start for t in arrivals)
+        if i:  # the first burst warms up
+            rounds.append([1e3 * times[0], 1e3 * statistics.median(times), 1e3 * times[-1]])
+        await asyncio.sleep(BURST_GAP_S)
+    for _, writer in connections:
+        writer.close()
+    first, p50, last = (statistics.median(column) for column in zip(*rounds, strict=True))
+    return {
+        "burst_ttft_first_ms": first,
+        "burst_ttft_p50_ms": p50,
+        "burst_ttft_last_ms": last,
+        "burst_ttft_p50s_ms": [round(r[1], 1) for r in rounds],
+    }
+
+
 def engine_alone(model: Path, args: argparse.Namespace) -> dict[str, float]:
     """The same streams through the same engine with no serving path: AsyncLLM in a process
     of its own, as the worker runs it (random weights, default engine settings, the API's
@@ -390,8 +429,10 @@ def profile_top(path: Path, rows: int) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["latency", "ceiling"])
-    p.add_argument("--step-ms", type=float, help="every mocker step (latency 10, ceiling 0)")
+    p.add_argument("mode", choices=["latency", "ceiling", "burst"])
+    p.add_argument(
+        "--step-ms", type=float, help="every mocker step (latency 10, ceiling 0, burst 1)"
+    )
     p.add_argument(
         "--engine",
         choices=["mocker", "real"],
@@ -402,11 +443,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-server-count", type=int, default=1)
     p.add_argument("--requests", type=int, default=40, help="latency: measured streams")
     p.add_argument("--warmup", type=int, default=5, help="latency: streams not measured")
-    p.add_argument("--concurrency", type=int, default=128, help="ceiling: streams at once")
+    p.add_argument(
+        "--concurrency", type=int, help="ceiling: streams at once (128); burst: requests (256)"
+    )
+    p.add_argument("--rounds", type=int, default=8, help="burst: bursts measured")
     p.add_argument("--duration", type=float, default=20.0, help="ceiling: measured seconds")
     p.add_argument("--warmup-s", type=float, default=3.0, help="ceiling: seconds not measured")
-    p.add_argument("--max-tokens", type=int, help="tokens per stream (latency 64, ceiling 512)")
-    p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument(
+        "--max-tokens", type=int, help="tokens per stream (latency 64, ceiling 512, burst 1)"
+    )
+    p.add_argument("--prompt-words", type=int, help="words per prompt (32; burst 512)")
     p.add_argument(
         "--gap-ms",
         type=float,
@@ -435,12 +481,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     latency_mode = args.mode == "latency"
+    defaults = {  # per mode: --step-ms, --max-tokens, --prompt-words, --concurrency
+        "latency": (10.0, 64, 32, None),
+        "ceiling": (0.0, 512, 32, 128),
+        "burst": (1.0, 1, 512, 256),
+    }[args.mode]
     if args.engine == "real":
         args.step_ms = None
     elif args.step_ms is None:
-        args.step_ms = 10.0 if latency_mode else 0.0
+        args.step_ms = defaults[0]
     if args.max_tokens is None:
-        args.max_tokens = 64 if latency_mode else 512
+        args.max_tokens = defaults[1]
+    if args.prompt_words is None:
+        args.prompt_words = defaults[2]
+    if args.concurrency is None:
+        args.concurrency = defaults[3]
+    if args.mode == "burst" and (args.engine != "mocker" or args.rounds < 1):
+        raise SystemExit("burst runs mocker workers, --rounds 1 or more")
     if (args.profile or args.trace) and args.api_server_count != 1:
         raise SystemExit("--profile and --trace watch one frontend process: --api-server-count 1")
     if args.trace and not latency_mode:
@@ -453,6 +510,8 @@ def main() -> None:
     try:
         if latency_mode:
             figures = asyncio.run(latency(deployment.port, args))
+        elif args.mode == "burst":
+            figures = asyncio.run(burst(deployment.port, args))
         else:
             figures = asyncio.run(ceiling(deployment.port, args, deployment))
     finally:
@@ -477,10 +536,17 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "prompt_words": args.prompt_words,
         **({"requests": args.requests, "gap_ms": args.gap_ms} if latency_mode else {}),
-        **({} if latency_mode else {"concurrency": args.concurrency, "duration_s": args.duration}),
+        **(
+            {"concurrency": args.concurrency, "duration_s": args.duration}
+            if args.mode == "ceiling"
+            else {}
+        ),
+        **(
+            {"concurrency": args.concurrency, "rounds": args.rounds} if args.mode == "burst" else {}
+        ),
         "profiled": args.profile,
         "traced": args.trace,
-        **{k: round(v, 4) for k, v in figures.items()},
+        **{k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()},
     }
     if deployment.profile is not None and deployment.profile.exists():
         record["profile_top"] = profile_top(deployment.profile, 25)

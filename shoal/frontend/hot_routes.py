@@ -19,8 +19,12 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shoal.frontend.errors import error_response
+from shoal.runtime.turns import TurnGate
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+# Generation requests that start in one turn of the loop: a burst of them is prepared this
+# many at a time, with the loop reading its sockets in between (shoal.runtime.turns).
+REQUESTS_PER_TURN = 4
 
 
 class HotRoutes:
@@ -35,6 +39,7 @@ class HotRoutes:
     def __init__(self, app: ASGIApp, endpoints: dict[str, Endpoint], user_middleware: list) -> None:
         self.app = app
         self.endpoints = endpoints
+        self.turns = TurnGate(REQUESTS_PER_TURN)
         chain: ASGIApp = self._serve
         for cls, args, kwargs in reversed(user_middleware):
             chain = cls(chain, *args, **kwargs)
@@ -52,7 +57,9 @@ class HotRoutes:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The endpoint's response; an exception before the response has started (an
-        endpoint's, or a response's whose `started` is still False) answers as an error."""
+        endpoint's, or a response's whose `started` is still False) answers as an error.
+        A burst of requests starts REQUESTS_PER_TURN a turn of the loop."""
+        await self.turns.enter()
         path = scope["path"]
         try:
             response = await self.endpoints[path](Request(scope, receive, send))

@@ -145,3 +145,58 @@ def test_other_methods_and_paths_take_the_full_stack(served):
     assert http.get("/plain").text == "plain"
     assert http.post("/missing").status_code == 404
     assert log == [(HOT, 405), ("/plain", 200), ("/missing", 404)]
+
+
+def test_a_burst_streams_its_first_answers_before_its_last_request_is_prepared():
+    """Twelve requests arrive in one turn of the loop, each endpoint waiting a turn for its
+    engine (as a response comes back over a socket): the first answers' first chunks go out
+    while later requests are still to be prepared, REQUESTS_PER_TURN of them a turn, rather
+    than after all twelve."""
+    events: list[tuple[str, int]] = []
+    app = OpenAIApp()
+
+    async def endpoint(request: Request) -> Response:
+        i = int(request.headers["x-i"])
+        events.append(("prepared", i))
+        engine = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(engine.set_result, None)
+        await engine
+
+        async def close() -> None:
+            pass
+
+        return SSEResponse(_events([b"data: a\n\n"]), close, asyncio.sleep(0))
+
+    app.hot_routes[HOT] = endpoint
+    app.add_route(HOT, endpoint, ["POST"])
+
+    async def request(stack: ASGIApp, i: int) -> None:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": HOT,
+            "headers": [(b"x-i", str(i).encode())],
+            "query_string": b"",
+        }
+
+        bodies = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive() -> dict:
+            if bodies:
+                return bodies.pop()
+            await asyncio.Event().wait()  # the client stays connected
+            raise AssertionError("unreachable")
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                events.append(("first chunk", i))
+
+        await stack(scope, receive, send)
+
+    async def burst() -> None:
+        stack = app.build_middleware_stack()
+        await asyncio.gather(*(request(stack, i) for i in range(12)))
+
+    asyncio.run(burst())
+    assert sorted(i for kind, i in events if kind == "prepared") == list(range(12))
+    assert events.index(("first chunk", 0)) < events.index(("prepared", 11))
