@@ -78,6 +78,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 MOONCAKE = ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 
 
+def whole_sessions(in_flight: float) -> int:
+    """Sessions in flight for a load that asks for `in_flight` (shoal bench takes whole ones)."""
+    return max(1, round(in_flight))
+
+
 @dataclass(frozen=True)
 class Workload:
     bench_args: str  # `shoal bench run` workload and load shape, but the load itself
@@ -106,7 +111,7 @@ class Workload:
         load = self.load * load_scale
         count = [] if self.span_s is None else ["--num-requests", f"{ceil(self.span_s * load)}"]
         if self.load_flag == "--concurrency":
-            load = max(1, round(load))  # whole sessions in flight
+            load = whole_sessions(load)
             if self.sessions_per_slot is not None:
                 count = ["--num-sessions", str(self.sessions_per_slot * load)]
         else:
@@ -145,7 +150,7 @@ class MultiTurnShape:
 
     def concurrency(self, load: float) -> int:
         """Sessions in flight at `load`."""
-        return max(1, round(self.in_flight * load))
+        return whole_sessions(self.in_flight * load)
 
     def sessions(self, load: float) -> int:
         return self.sessions_per_slot * self.concurrency(load)
