@@ -536,14 +536,9 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "prompt_words": args.prompt_words,
         **({"requests": args.requests, "gap_ms": args.gap_ms} if latency_mode else {}),
-        **(
-            {"concurrency": args.concurrency, "duration_s": args.duration}
-            if args.mode == "ceiling"
-            else {}
-        ),
-        **(
-            {"concurrency": args.concurrency, "rounds": args.rounds} if args.mode == "burst" else {}
-        ),
+        **({} if latency_mode else {"concurrency": args.concurrency}),
+        **({"duration_s": args.duration} if args.mode == "ceiling" else {}),
+        **({"rounds": args.rounds} if args.mode == "burst" else {}),
         "profiled": args.profile,
         "traced": args.trace,
         **{k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()},
