@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from runtime_helpers import free_port
+from ports import free_port
 
 MODEL = "m"
 JOINED = re.compile(r"shoal\.frontend\.workers worker (?:joined|left): .*\((\d+) workers\)")

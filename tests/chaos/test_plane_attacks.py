@@ -10,7 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 from chaos_helpers import Worker, client, collect, request
-from runtime_helpers import RawPlane, free_port, reap, run, spawn
+from ports import free_port
+from runtime_helpers import RawPlane, reap, run, spawn
 
 from shoal.protocol import (
     GENERATE_ENDPOINT,

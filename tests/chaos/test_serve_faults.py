@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from mock_serve import MODEL, MockServe, run_streams, stream_one
-from runtime_helpers import free_port
+from ports import free_port
 
 from shoal.protocol import GENERATE_ENDPOINT
 from shoal.router.replica_sync import replicas_endpoint

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from chaos_helpers import Worker, client, collect, registered, request
-from runtime_helpers import free_port, run
+from ports import free_port
+from runtime_helpers import run
 
 from shoal.engine.async_llm import MAX_STEP_FAILURES
 from shoal.runtime import HandlerError, WorkerLostError

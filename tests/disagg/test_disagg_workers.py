@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from ports import free_port
 
 from shoal.disagg.nixl import load_nixl
 from shoal.engine.config import EngineConfig
@@ -51,12 +51,6 @@ BACKENDS = [
     ),
 ]
 GPU_KV_BYTES = 64 * 2**20  # each process's KV cache on the one GPU
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from ports import free_port
 
 from shoal.protocol import EngineOutput, EngineRequest
 from shoal.runtime import RequestServer
@@ -109,12 +109,6 @@ async def wait_until(predicate: Any, timeout: float, interval: float = 0.02) -> 
         if time.monotonic() - start > timeout:
             raise AssertionError(f"condition not met within {timeout}s")
         await asyncio.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def etcd_binary() -> str:

@@ -7,7 +7,8 @@ import asyncio
 import random
 import time
 
-from runtime_helpers import RawPlane, free_port, run, wait_until
+from ports import free_port
+from runtime_helpers import RawPlane, run, wait_until
 
 from shoal.runtime.frame_stream import (
     SCRATCH_BYTES,

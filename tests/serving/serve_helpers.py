@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import free_port
 
 from shoal.protocol import GENERATE_ENDPOINT
 from shoal.runtime.discovery import DirectoryDiscovery
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def instances(folder: Path) -> int:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_helpers import free_port, stop_serve
+from ports import free_port
+from serve_helpers import stop_serve
 from tiny_models import ARCHITECTURES, BASE, VOCAB_SIZE, write_tokenizer
 
 REQUESTS = 24

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from serve_helpers import free_port, instances
+from ports import free_port
+from serve_helpers import instances
 
 from shoal import LLM, SamplingParams
 from shoal.frontend.tokenizer_pool import ModelTokenizer, WorkerModelFiles

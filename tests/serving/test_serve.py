@@ -12,7 +12,8 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import free_port, start_serve, stop_serve, worker_pids
+from ports import free_port
+from serve_helpers import start_serve, stop_serve, worker_pids
 
 from shoal import LLM, SamplingParams
 from shoal.serve import POLL_S

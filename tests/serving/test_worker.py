@@ -9,7 +9,8 @@ import sys
 import time
 
 import httpx
-from serve_helpers import free_port, instances
+from ports import free_port
+from serve_helpers import instances
 
 from shoal.protocol import GENERATE_ENDPOINT, EngineOutput, EngineRequest, SamplingParams
 from shoal.runtime.distributed import DistributedRuntime
