@@ -3,8 +3,9 @@
 Open addressing with linear probing (Fibonacci hashing picks the home slot), so finding,
 adding or removing many keys at once costs a few vectorised passes over the keys instead
 of a Python step (and a few cache misses) per key; gathers use np.take, which numpy runs at
-about twice the speed of indexing with an array. Removed keys leave tombstones until the
-next rehash (a new key takes the first free slot it passes, tombstone or empty); freed ids
+about twice the speed of indexing with an array. A removed key leaves a tombstone where a
+probe may pass it (a slot followed by an empty one is emptied instead), until the next
+rehash (a new key takes the first free slot it passes, tombstone or empty); freed ids
 are handed out again, so ids stay below the peak number of keys.
 """
 
@@ -167,12 +168,24 @@ class BlockTable:
         slots, rank = self._slot_of[ids], -1 - np.arange(len(ids))
         self._slot_of[ids] = rank  # one rank stays per id
         first = self._slot_of[ids] == rank
-        ids = ids[first]
-        self._ids[slots[first]] = GONE
+        ids, slots = ids[first], slots[first]
+        self._ids[slots] = GONE
+        self._vacate(slots)
         self._slot_of[ids] = -1
         self.key_of[ids] = 0  # leading_ids' guesses never take a freed id for its old key
         self._free.extend(ids.tolist())
         self.live -= len(ids)
+
+    def _vacate(self, slots: np.ndarray) -> None:
+        """Empty the tombstones among `slots` that end their cluster, and the tombstones
+        before them in turn: no probe passes a slot followed by an empty one, so it needs
+        no tombstone (later probes stop there, and fewer rehashes are due)."""
+        while len(slots):
+            ends = slots[np.take(self._ids, (slots + 1) & self._mask) == EMPTY]
+            self._ids[ends] = EMPTY
+            self._used -= len(ends)
+            before = (ends - 1) & self._mask
+            slots = before[np.take(self._ids, before) == GONE]
 
     def _reset_slots(self, slots: int) -> None:
         self._keys = np.zeros(slots, np.uint64)

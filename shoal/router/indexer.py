@@ -51,6 +51,7 @@ from shoal.router.block_table import BlockTable
 
 FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a lookup
 SHORT_PROMPT_BLOCKS = 96  # prompts up to this many blocks are looked up without numpy
+_PAIR_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: a column's multiple is its own
 _DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
 
 
@@ -437,17 +438,26 @@ class KvIndexer:
 
 
 def _net(keys: np.ndarray, cols: np.ndarray, sets: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The net change of each (block, worker) pair in a queue of changes, in order.
+    """The net change of each (block, worker) pair in a queue of changes, in queue order.
 
     A pair's changes alternate (held, not held, held...): it ends changed only if its
-    first and last changes agree (both held: it was not held before; both not: it was)."""
-    order = np.lexsort((cols, keys))  # stable: a pair's changes stay in queue order
-    keys, cols, sets = keys[order], cols[order], sets[order]
-    same = (keys[1:] == keys[:-1]) & (cols[1:] == cols[:-1])
-    first = np.ones(len(keys), bool)
-    first[1:] = ~same
-    last = np.ones(len(keys), bool)
-    last[:-1] = ~same
-    changed = sets[first] == sets[last]
-    last_ix = np.flatnonzero(last)[changed]
-    return keys[last_ix], cols[last_ix], sets[last_ix]
+    first and last changes agree (both held: it was not held before; both not: it was).
+    Pairs are grouped by one 64-bit value each (the key, its bits flipped by the column's
+    odd multiple), sorted unstably, which numpy does several times faster than sorting on
+    key and column; a group's first and last change are its lowest and highest positions.
+    Two pairs sharing a value are told apart by their keys (an equal key and value mean
+    an equal column); should that ever happen, the pairs are sorted on both instead."""
+    pair = keys ^ (cols.astype(np.uint64) * _PAIR_MIX)
+    order = np.argsort(pair)
+    pair = pair[order]
+    new = pair[1:] != pair[:-1]
+    grouped = np.take(keys, order)
+    if ((grouped[1:] != grouped[:-1]) > new).any():  # two pairs with one value
+        order = np.lexsort((cols, keys))
+        grouped, paired = np.take(keys, order), np.take(cols, order)
+        new = (grouped[1:] != grouped[:-1]) | (paired[1:] != paired[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], new)))
+    first = np.minimum.reduceat(order, starts)
+    last = np.maximum.reduceat(order, starts)
+    kept = np.sort(last[np.take(sets, first) == np.take(sets, last)])
+    return keys[kept], cols[kept], sets[kept]

@@ -125,6 +125,74 @@ def test_a_key_added_again_takes_the_tombstone_it_passes():
     assert table.ids(keys).tolist() == table.add(keys).tolist()
 
 
+def keys_homed_at(table: BlockTable, homes: list[int]) -> np.ndarray:
+    """Distinct keys whose home slots in `table` are `homes`."""
+    inverse = pow(0x9E3779B97F4A7C15, -1, 2**64)  # a key whose scrambled top bits are `home`
+    shift = 64 - (len(table._keys).bit_length() - 1)
+    keys = [(((h << shift) + i + 1) * inverse) % 2**64 for i, h in enumerate(homes)]
+    return np.array(keys, np.uint64)
+
+
+def test_a_removal_that_ends_its_cluster_leaves_no_tombstone():
+    """Three keys homed at one slot fill it and the next two: removing the middle one
+    leaves a tombstone (the last key's probe passes it); removing the last empties its
+    slot and then the tombstone before it, and the first key is still found."""
+    table = BlockTable()
+    home = 100
+    keys = keys_homed_at(table, [home] * 3)
+    ids = table.add(keys)
+    assert table._ids[home : home + 3].tolist() == ids.tolist()
+    table.remove(ids[1:2])
+    assert table._ids[home + 1] == block_table.GONE and table._used == 3
+    assert table.ids(keys).tolist() == [ids[0], -1, ids[2]]
+    table.remove(ids[2:3])
+    assert table._ids[home + 1 : home + 3].tolist() == [block_table.EMPTY] * 2
+    assert table._used == table.live == 1
+    assert table.ids(keys).tolist() == [ids[0], -1, -1]
+    again = table.add(keys[1:])
+    assert table._ids[home + 1 : home + 3].tolist() == again.tolist()
+    assert table.ids(keys).tolist() == [ids[0], *again.tolist()]
+
+
+def net_of_queue(keys: list[int], cols: list[int], sets: list[bool]) -> list[tuple]:
+    """The (key, column, held) changes a queue nets to, in the order of each pair's last
+    change, by replaying it on a set of held pairs (every removal of a pair held before)."""
+    first: dict[tuple[int, int], bool] = {}
+    last: dict[tuple[int, int], tuple[int, bool]] = {}
+    for position, (key, col, held) in enumerate(zip(keys, cols, sets, strict=True)):
+        first.setdefault((key, col), held)
+        last[(key, col)] = position, held
+    changed = [(pos, pair, held) for pair, (pos, held) in last.items() if first[pair] == held]
+    return [(*pair, held) for _, pair, held in sorted(changed)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_queue_nets_to_each_pairs_change_in_order(seed):
+    """Random queues of stores and removals over few keys and columns, with pairs that
+    share one grouping value (key ^ column * mix) in half of them: the net change of each
+    pair, in the order of its last change, as replaying the queue gives."""
+    rng = random.Random(seed)
+    mix = int(indexer._PAIR_MIX)
+    base = [rng.getrandbits(64) for _ in range(12)]
+    colliding = [k ^ ((1 * mix) % 2**64) ^ ((2 * mix) % 2**64) for k in base[:3]]
+    space = [(k, c) for k in base for c in range(4)]
+    if seed % 2:  # (k, 1) and (k ^ mix ^ 2 mix, 2) share a value
+        space += [(k, 2) for k in colliding]
+    pairs = [rng.choice(space) for _ in range(400)]
+    held: set[tuple[int, int]] = set()
+    keys, cols, sets = [], [], []
+    for pair in pairs:  # alternate each pair's changes, as a worker's events do
+        now = pair not in held
+        held.symmetric_difference_update({pair})
+        keys.append(pair[0])
+        cols.append(pair[1])
+        sets.append(now)
+    got = indexer._net(
+        np.array(keys, np.uint64), np.array(cols, np.int64), np.array(sets, np.bool_)
+    )
+    assert list(zip(*(a.tolist() for a in got), strict=True)) == net_of_queue(keys, cols, sets)
+
+
 def test_leading_ids_guess_consecutive_ids_and_look_up_the_rest():
     """leading_ids against a lookup of each key: sequences added whole (consecutive ids),
     in pieces among others' keys, after removals (freed ids handed out again)."""
