@@ -21,7 +21,12 @@ allow. The same build and churn are then timed over the wire, as a router's even
 take them: each batch encoded as a worker publishes it, decoded and applied to a fresh index,
 in vLLM's format (BlockStored with token ids, which the router translates) and in shoal's
 (--kv-events-format shoal: router hashes, which the worker translated; how fast one worker
-translates is recorded too), with the bytes per block on the wire.
+translates is recorded too), with the bytes per block on the wire; and after them the
+turnover of a full cache (a tenth of the index: the oldest copies evicted, each followed by
+a new prefix stored, so stores and removals share every flush and the blocks are new).
+The block table (hash -> id) is last timed alone turning over three times its size, a
+flush's worth of evictions and new blocks a step: nanoseconds per key operation over the
+whole run and its slowest step (a rehash, when removals leave it one to do).
 
 It appends one record per (workers, prompt length) to
 benchmarks/results/router_decision.jsonl with provenance and the host's load average
@@ -80,6 +85,7 @@ from shoal.protocol import (
     SamplingParams,
 )
 from shoal.route_events import EventTranslator, as_route_events
+from shoal.router.block_table import BlockTable
 from shoal.router.indexer import KvIndexer
 from shoal.router.kv_router import KvRouter
 from shoal.router.metrics import RouterMetrics
@@ -90,6 +96,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "router_decision.jsonl"
 BLOCK = 16
 FILLER_TOKENS = 1024  # tokens per filler prefix: 64 blocks
 EVENT_BLOCKS = 16  # blocks per BlockStored event, as an engine step stores a few at a time
+TURNOVER_STEP = 1024  # blocks evicted, then as many new ones stored, per step of the table's
+TURNOVER_PASSES = 3  # table turnover: the whole table evicted this many times over
 
 
 def stored_events(tokens: list[int]) -> list[BlockStored]:
@@ -111,6 +119,19 @@ def stored_events(tokens: list[int]) -> list[BlockStored]:
     return events
 
 
+def filler(
+    workers: list[str], prefixes: int, rng: random.Random
+) -> list[tuple[str, list[BlockStored]]]:
+    """`prefixes` random FILLER_TOKENS-token prefixes, each on one or two random workers:
+    (worker, the events storing it) per copy."""
+    stored: list[tuple[str, list[BlockStored]]] = []
+    for _ in range(prefixes):
+        events = stored_events([rng.randrange(4, 150_000) for _ in range(FILLER_TOKENS)])
+        for worker in rng.sample(workers, rng.choice((1, 2))):
+            stored.append((worker, events))
+    return stored
+
+
 def build_index(
     router: KvRouter,
     workers: list[str],
@@ -122,12 +143,7 @@ def build_index(
     applying events, block operations applied). publish: each batch as its worker
     publishes it (vLLM's events, which the router translates, if None)."""
     per_prefix = FILLER_TOKENS // BLOCK
-    stored: list[tuple[str, list[BlockStored]]] = []
-    for _ in range(indexed_blocks // per_prefix):
-        tokens = [rng.randrange(4, 150_000) for _ in range(FILLER_TOKENS)]
-        events = stored_events(tokens)
-        for worker in rng.sample(workers, rng.choice((1, 2))):
-            stored.append((worker, events))
+    stored = filler(workers, indexed_blocks // per_prefix, rng)
     batches = stored if publish is None else [(w, publish(w, events)) for w, events in stored]
     t0 = time.perf_counter()
     for worker, events in batches:
@@ -173,10 +189,15 @@ def churn(router: KvRouter, stored: list[tuple[str, list[BlockStored]]]) -> tupl
 
 
 def wire_batches(
-    stored: list[tuple[str, list[BlockStored]]], events_format: str
-) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]], float]:
-    """The build's and the churn's batches (churn() in events) as a worker publishes them
-    in this format, encoded; and the seconds the workers spent translating them (shoal)."""
+    stored: list[tuple[str, list[BlockStored]]],
+    fresh: list[tuple[str, list[BlockStored]]],
+    events_format: str,
+) -> tuple[list[tuple[str, bytes]], ...]:
+    """The build's, the churn's (churn() in events) and the turnover's batches as a worker
+    publishes them in this format, encoded; and the seconds the workers spent translating
+    the build's and the churn's (shoal). The turnover evicts the stored copies in the order
+    they were stored, each followed by the storing of a `fresh` copy: a full cache turning
+    over, stores and removals interleaved, new blocks never seen before."""
     publish = publisher()
     translating = 0.0
 
@@ -191,21 +212,29 @@ def wire_batches(
     build = [encoded(worker, events) for worker, events in stored]
     churn_batches = [encoded(worker, [removal(events)]) for worker, events in stored[::10]]
     churn_batches += [encoded(worker, events) for worker, events in stored[::10]]
-    return build, churn_batches, translating
+    seconds = translating
+    turnover = []
+    for (old_worker, old), (new_worker, new) in zip(stored, fresh, strict=False):
+        turnover += [encoded(old_worker, [removal(old)]), encoded(new_worker, new)]
+    return build, churn_batches, turnover, seconds
 
 
-def wire_rates(stored: list[tuple[str, list[BlockStored]]]) -> dict:
-    """Block operations per second of decoding and applying the build's and the churn's
-    batches on a fresh index, in each --kv-events-format; bytes per block on the wire."""
+def wire_rates(
+    stored: list[tuple[str, list[BlockStored]]], fresh: list[tuple[str, list[BlockStored]]]
+) -> dict:
+    """Block operations per second of decoding and applying the build's, the churn's and
+    the turnover's batches on a fresh index, in each --kv-events-format; bytes per block on
+    the wire."""
     per_prefix = FILLER_TOKENS // BLOCK
     build_ops, churn_ops = len(stored) * per_prefix, 2 * len(stored[::10]) * per_prefix
+    turnover_ops = 2 * min(len(stored), len(fresh)) * per_prefix
     decode = decoder(KVEventBatch).decode
     figures = {}
     for events_format in ("vllm", "shoal"):
-        build, churn_batches, translating = wire_batches(stored, events_format)
+        build, churn_batches, turnover, translating = wire_batches(stored, fresh, events_format)
         index = KvIndexer()
         seconds = []
-        for batches in (build, churn_batches):
+        for batches in (build, churn_batches, turnover):
             t0 = time.perf_counter()
             for worker, payload in batches:
                 index.apply_batch(worker, decode(payload).events)
@@ -213,10 +242,40 @@ def wire_rates(stored: list[tuple[str, list[BlockStored]]]) -> dict:
             seconds.append(time.perf_counter() - t0)
         figures[f"{events_format}_wire_build_block_ops_per_s"] = build_ops / seconds[0]
         figures[f"{events_format}_wire_churn_block_ops_per_s"] = churn_ops / seconds[1]
+        figures[f"{events_format}_wire_turnover_block_ops_per_s"] = turnover_ops / seconds[2]
         figures[f"{events_format}_wire_bytes_per_block"] = sum(len(p) for _, p in build) / build_ops
         if events_format == "shoal":
             figures["worker_translate_block_ops_per_s"] = (build_ops + churn_ops) / translating
     return figures
+
+
+def table_turnover(live: int, rng: random.Random) -> dict:
+    """The block table alone (hash -> id) turning over TURNOVER_PASSES times: `live` keys,
+    then steps each removing the TURNOVER_STEP oldest and adding as many new ones (a flush's
+    worth of each), long enough for removals to have to be cleaned up (tombstones, rehashes).
+    Nanoseconds per key operation over the whole run, the slowest step (a rehash is one
+    step: every lookup waits for it), and the tombstones left."""
+    live = max(TURNOVER_STEP, live - live % TURNOVER_STEP)
+    steps = TURNOVER_PASSES * live // TURNOVER_STEP
+    keys = np.random.default_rng(rng.getrandbits(32)).integers(
+        0, 2**64, live + steps * TURNOVER_STEP, np.uint64, endpoint=False
+    )
+    table = BlockTable()
+    held = list(table.add(keys[:live]).reshape(-1, TURNOVER_STEP))
+    worst = 0.0
+    start = time.perf_counter()
+    for step in range(steps):
+        t0 = time.perf_counter()
+        table.remove(held[step])
+        new = live + step * TURNOVER_STEP
+        held.append(table.add(keys[new : new + TURNOVER_STEP]))
+        worst = max(worst, time.perf_counter() - t0)
+    seconds = time.perf_counter() - start
+    return {
+        "table_turnover_ns_per_op": 1e9 * seconds / (2 * steps * TURNOVER_STEP),
+        "table_turnover_worst_step_ms": 1e3 * worst,
+        "table_turnover_tombstones": table.tombstones,
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -294,7 +353,9 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
     stored, build_s, build_ops = build_index(router, names, indexed_blocks, rng)
     churn_s, churn_ops = churn(router, stored)
     rehash = rehash_rate(stored)
-    wire = wire_rates(stored)
+    fresh = filler(names, len(stored) // 10, rng)  # about a tenth of the index, stored anew
+    wire = wire_rates(stored, fresh)
+    turnover = table_turnover(indexed_blocks, rng)
     rows = []
     for length in prompt_lengths:
         prompt = [rng.randrange(4, 150_000) for _ in range(length + 7)]  # a partial last block
@@ -316,6 +377,7 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
                 "churn_block_ops_per_s": churn_ops / churn_s,
                 "rehash_block_ops_per_s": rehash,
                 **wire,
+                **turnover,
             }
         )
     return rows
@@ -538,7 +600,8 @@ def main() -> int:
     print(
         f"{'workers':>7} {'tokens':>7} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'place50':>8}"
         f" {'place99':>8} {'hash':>7} {'walk':>7} {'build ops/s':>12} {'churn ops/s':>12}"
-        f" {'rehash ops/s':>12} {'vllm wire':>10} {'shoal wire':>10} {'load':>5}"
+        f" {'rehash ops/s':>12} {'vllm wire':>10} {'shoal wire':>10} {'shoal turn':>10}"
+        f" {'load':>5}"
     )
     rows = []
     for workers in worker_counts:
@@ -553,7 +616,9 @@ def main() -> int:
                 f" {row['build_block_ops_per_s']:12.3g} {row['churn_block_ops_per_s']:12.3g}"
                 f" {row['rehash_block_ops_per_s']:12.3g}"
                 f" {row['vllm_wire_build_block_ops_per_s']:10.3g}"
-                f" {row['shoal_wire_build_block_ops_per_s']:10.3g} {row['load_average_1m']:5.1f}",
+                f" {row['shoal_wire_build_block_ops_per_s']:10.3g}"
+                f" {row['shoal_wire_turnover_block_ops_per_s']:10.3g}"
+                f" {row['load_average_1m']:5.1f}",
                 flush=True,
             )
     if not args.no_record:

@@ -60,6 +60,11 @@ class BlockTable:
         """Every id handed out is below this (arrays indexed by id need this many rows)."""
         return len(self.key_of)
 
+    @property
+    def tombstones(self) -> int:
+        """Slots of removed keys that probes still pass (until the next rehash)."""
+        return self._used - self.live
+
     def ids(self, keys: np.ndarray) -> np.ndarray:
         """The id of each key, -1 where the key is absent."""
         pos = self._find(keys)

@@ -143,11 +143,11 @@ def test_a_removal_that_ends_its_cluster_leaves_no_tombstone():
     ids = table.add(keys)
     assert table._ids[home : home + 3].tolist() == ids.tolist()
     table.remove(ids[1:2])
-    assert table._ids[home + 1] == block_table.GONE and table._used == 3
+    assert table._ids[home + 1] == block_table.GONE and table.tombstones == 1
     assert table.ids(keys).tolist() == [ids[0], -1, ids[2]]
     table.remove(ids[2:3])
     assert table._ids[home + 1 : home + 3].tolist() == [block_table.EMPTY] * 2
-    assert table._used == table.live == 1
+    assert table.live == 1 and table.tombstones == 0
     assert table.ids(keys).tolist() == [ids[0], -1, -1]
     again = table.add(keys[1:])
     assert table._ids[home + 1 : home + 3].tolist() == again.tolist()
