@@ -184,13 +184,18 @@ class BlockTable:
     def _vacate(self, slots: np.ndarray) -> None:
         """Empty the tombstones among `slots` that end their cluster, and the tombstones
         before them in turn: no probe passes a slot followed by an empty one, so it needs
-        no tombstone (later probes stop there, and fewer rehashes are due)."""
-        while len(slots):
-            ends = slots[np.take(self._ids, (slots + 1) & self._mask) == EMPTY]
-            self._ids[ends] = EMPTY
-            self._used -= len(ends)
-            before = (ends - 1) & self._mask
-            slots = before[np.take(self._ids, before) == GONE]
+        no tombstone (later probes stop there, and fewer rehashes are due). The first pass
+        is vectorised; the few tombstones found before emptied slots are walked in Python."""
+        ends = slots[np.take(self._ids, (slots + 1) & self._mask) == EMPTY]
+        self._ids[ends] = EMPTY
+        self._used -= len(ends)
+        before = (ends - 1) & self._mask
+        ids, mask = memoryview(self._ids), self._mask
+        for slot in before[np.take(self._ids, before) == GONE].tolist():
+            while ids[slot] == GONE:
+                ids[slot] = EMPTY
+                self._used -= 1
+                slot = (slot - 1) & mask
 
     def _reset_slots(self, slots: int) -> None:
         self._keys = np.zeros(slots, np.uint64)
