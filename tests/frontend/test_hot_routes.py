@@ -7,6 +7,7 @@ import logging
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from frontend_helpers import ServerThread, error_shape
 from starlette.requests import Request
@@ -145,6 +146,41 @@ def test_other_methods_and_paths_take_the_full_stack(served):
     assert http.get("/plain").text == "plain"
     assert http.post("/missing").status_code == 404
     assert log == [(HOT, 405), ("/plain", 200), ("/missing", 404)]
+
+
+def test_only_other_requests_take_fastapis_own_call(monkeypatch):
+    """FastAPI's __call__ (which asks OpenTelemetry whether its native tracing is on, every
+    request) runs for everything but a generation request; with a root path set, the
+    generation routes take it too and still answer."""
+    calls: list[str] = []
+    fastapi_call = FastAPI.__call__
+
+    async def counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        calls.append(scope.get("path", scope["type"]))
+        await fastapi_call(self, scope, receive, send)
+
+    monkeypatch.setattr(FastAPI, "__call__", counted)
+    behaviour = {"what": "ok"}
+    server = ServerThread(_app([], behaviour)).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            http.get("/plain")  # the first request builds the stack
+            calls.clear()
+            assert http.post(HOT, json={}).text == "data: a\n\ndata: b\n\n"
+            assert http.get("/plain").text == "plain"
+            assert calls == ["/plain"]
+    finally:
+        server.stop()
+    rooted = _app([], behaviour)
+    rooted.root_path = "/api"
+    server = ServerThread(rooted).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            calls.clear()
+            assert http.post(HOT, json={}).text == "data: a\n\ndata: b\n\n"
+            assert calls == [HOT]
+    finally:
+        server.stop()
 
 
 def test_a_burst_streams_its_first_answers_before_its_last_request_is_prepared():
