@@ -33,7 +33,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import SHAPES
 from nixl_probe import log_env, ucx_lines
+from ports import free_port
 from provenance import provenance
 from serving_bench import make_model_dir
 
@@ -61,12 +61,6 @@ from shoal.runtime.distributed import DistributedRuntime
 
 RESULTS = Path(__file__).parent / "results" / "disagg_bench.jsonl"
 MODEL = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:

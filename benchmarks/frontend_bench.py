@@ -54,7 +54,6 @@ import platform
 import pstats
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,6 +66,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
 from frontend_trace import breakdown
+from ports import free_port
 from provenance import provenance
 
 from shoal.frontend.rehearsal import REHEARSAL_INTERVAL_MS
@@ -111,12 +111,6 @@ def make_model_dir(folder: Path) -> Path:
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
     )
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -55,7 +55,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from goodput import highest_sustained
+from ports import free_port
 from provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,12 +211,6 @@ WORKLOADS = {
 }
 MODES = ("round-robin", "least-loaded", "kv")
 GOODPUT_CAP = 64  # the goodput search's highest load, in multiples of --load-scale
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_rows(text: str) -> tuple[int, int]:

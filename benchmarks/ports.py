@@ -1,4 +1,4 @@
-"""Ports for the servers a test starts, chosen below the kernel's ephemeral range.
+"""Ports for the servers a test or a benchmark starts, below the kernel's ephemeral range.
 
 A port found by binding port 0 and closing the socket comes from the ephemeral range, where
 the next process that binds port 0 or connects out (a worker's request plane, an HTTP
