@@ -115,14 +115,20 @@ def test_a_rehash_keeps_keys_whose_probes_wrap_past_the_last_slot():
 
 
 def test_a_key_added_again_takes_the_tombstone_it_passes():
+    """Keys homed in pairs fill two slots each: removing the key at each pair's home slot
+    leaves a tombstone (the other key's probe passes it), which the key takes back when
+    added again (its freed id too), with no new slot used."""
     table = BlockTable()
-    keys = np.arange(1, 1001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    homes = [h for h in range(0, 2000, 4) for _ in range(2)]
+    keys = keys_homed_at(table, homes)
     ids = table.add(keys)
     used = table._used
-    table.remove(ids[:400])
-    assert table.add(keys[:400]).tolist() == ids[:400].tolist()  # the freed ids, handed out again
-    assert table._used == used  # no new slot: each took a tombstone back
-    assert table.ids(keys).tolist() == table.add(keys).tolist()
+    at_home = np.take(table._slot_of, ids) == np.array(homes)
+    table.remove(ids[at_home])
+    assert table.tombstones == len(keys) // 2
+    assert table.add(keys[at_home]).tolist() == ids[at_home].tolist()  # the freed ids again
+    assert table._used == used and table.tombstones == 0
+    assert table.ids(keys).tolist() == table.add(keys).tolist() == ids.tolist()
 
 
 def keys_homed_at(table: BlockTable, homes: list[int]) -> np.ndarray:
