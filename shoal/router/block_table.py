@@ -325,18 +325,18 @@ class BlockTable:
         self._reset_slots(max(_MIN_SLOTS, 1 << (4 * live).bit_length()))
         home = self._home(keys)
         order = np.argsort(home, kind="stable")
-        keys, ids, home = keys[order], ids[order], home[order]
+        keys, ids, home = np.take(keys, order), np.take(ids, order), np.take(home, order)
         rank = np.arange(len(keys))
-        slots = rank + np.maximum.accumulate(home - rank)
-        inside = slots <= self._mask
-        self._keys[slots[inside]] = keys[inside]
-        self._ids[slots[inside]] = ids[inside]
-        self._slot_of[ids[inside]] = slots[inside]
-        wrapped = np.flatnonzero(~inside)  # ran past the last slot: they go on from the first
-        if len(wrapped):
-            slots, _ = self._claim(keys[wrapped], self._free_from(np.zeros(len(wrapped), np.intp)))
-            self._ids[slots] = ids[wrapped]
-            self._slot_of[ids[wrapped]] = slots
+        slots = rank + np.maximum.accumulate(home - rank)  # increasing: past the end come last
+        n = int(np.searchsorted(slots, self._mask, side="right"))
+        self._keys[slots[:n]] = keys[:n]
+        self._ids[slots[:n]] = ids[:n]
+        self._slot_of[ids[:n]] = slots[:n]
+        if n < len(keys):  # ran past the last slot: they go on from the first
+            wrapped = len(keys) - n
+            slots, _ = self._claim(keys[n:], self._free_from(np.zeros(wrapped, np.intp)))
+            self._ids[slots] = ids[n:]
+            self._slot_of[ids[n:]] = slots
         self._used = len(keys)
 
     def _allocate(self, n: int) -> np.ndarray:
