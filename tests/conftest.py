@@ -10,7 +10,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # ports
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # ports
 
 from tiny_models import ARCHITECTURES, write_model, write_tokenizer
 
