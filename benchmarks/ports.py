@@ -15,6 +15,7 @@ from pathlib import Path
 
 LOWEST = 10000
 _given: set[int] = set()
+_random = random.Random()  # its own: a test seeding the global generator changes nothing here
 
 
 def _ephemeral_start() -> int:
@@ -37,7 +38,7 @@ def free_port() -> int:
     """A port nothing listens on now, outside the ephemeral range, not given out before."""
     top = max(_ephemeral_start(), LOWEST + 1000)
     for _ in range(1000):
-        port = random.randrange(LOWEST, top)
+        port = _random.randrange(LOWEST, top)
         if port not in _given and _bindable(port):
             _given.add(port)
             return port
