@@ -33,9 +33,14 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return ""
         step, tokenizer = self.stream.step, self.tokenizer
-        new = "".join(filter(None, [step(tokenizer, token_id) for token_id in token_ids]))
+        if len(token_ids) == 1:  # a step's one token, the usual case
+            new = step(tokenizer, token_ids[0]) or ""
+        else:
+            new = "".join(filter(None, [step(tokenizer, token_id) for token_id in token_ids]))
         if not new and not final:
             return ""
+        if not self.stop:  # no holdback: all of it is final
+            return new
         text = self.pending + new
         if self.stop:
             cut = self._find_stop(text)

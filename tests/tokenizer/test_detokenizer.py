@@ -25,12 +25,13 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], per_call: int) -> list
     return pieces
 
 
+@pytest.mark.parametrize("stop", [[], ["never appears"]])  # no holdback, or one
 @pytest.mark.parametrize("per_call", [1, 7])
-def test_long_output_streams_the_whole_text(tok, per_call):
+def test_long_output_streams_the_whole_text(tok, per_call, stop):
     text = SENTENCE * 400
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) > 10_000
-    detok = IncrementalDetokenizer(tok.tokenizer, stop=["never appears"])
+    detok = IncrementalDetokenizer(tok.tokenizer, stop=stop)
     pieces = stream(detok, ids, per_call)
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids) == text
