@@ -42,10 +42,9 @@ class IncrementalDetokenizer:
         if not self.stop:  # no holdback: all of it is final
             return new
         text = self.pending + new
-        if self.stop:
-            cut = self._find_stop(text)
-            if cut is not None:
-                text, final = text[:cut], True
+        cut = self._find_stop(text)
+        if cut is not None:
+            text, final = text[:cut], True
         keep = 0 if final else min(self.holdback, len(text))
         self.pending = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
