@@ -49,12 +49,16 @@ class HotRoutes:
             chain = cls(chain, *args, **kwargs)
         self.chain = chain
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
+    def serves(self, scope: Scope) -> bool:
+        """Whether the request is a POST to one of `endpoints` (it takes the chain)."""
+        return (
             scope["type"] == "http"
             and scope["method"] == "POST"
             and scope["path"] in self.endpoints
-        ):
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.serves(scope):
             await self.chain(scope, receive, send)
         else:
             await self.app(scope, receive, send)
@@ -98,14 +102,8 @@ class OpenAIApp(FastAPI):
         request's TTFT on the dev VM. So these two routes get no FastAPI span; shoal's
         own metrics and access log cover them."""
         stack = self.middleware_stack
-        if (
-            stack is None
-            or self.root_path
-            or scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] not in self.hot_routes
-        ):
-            await super().__call__(scope, receive, send)
+        if isinstance(stack, HotRoutes) and not self.root_path and stack.serves(scope):
+            scope["app"] = self
+            await stack.chain(scope, receive, send)
             return
-        scope["app"] = self
-        await stack(scope, receive, send)
+        await super().__call__(scope, receive, send)
