@@ -192,7 +192,7 @@ def wire_batches(
     stored: list[tuple[str, list[BlockStored]]],
     fresh: list[tuple[str, list[BlockStored]]],
     events_format: str,
-) -> tuple[list[tuple[str, bytes]], ...]:
+) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]], list[tuple[str, bytes]], float]:
     """The build's, the churn's (churn() in events) and the turnover's batches as a worker
     publishes them in this format, encoded; and the seconds the workers spent translating
     the build's and the churn's (shoal). The turnover evicts the stored copies in the order
@@ -212,11 +212,11 @@ def wire_batches(
     build = [encoded(worker, events) for worker, events in stored]
     churn_batches = [encoded(worker, [removal(events)]) for worker, events in stored[::10]]
     churn_batches += [encoded(worker, events) for worker, events in stored[::10]]
-    seconds = translating
+    build_and_churn_translating = translating
     turnover = []
     for (old_worker, old), (new_worker, new) in zip(stored, fresh, strict=False):
         turnover += [encoded(old_worker, [removal(old)]), encoded(new_worker, new)]
-    return build, churn_batches, turnover, seconds
+    return build, churn_batches, turnover, build_and_churn_translating
 
 
 def wire_rates(
