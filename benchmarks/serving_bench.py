@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_bench import SHAPES
 from provenance import provenance
 
-from shoal.bench.metrics import full_load_ttfts, saturated_output_rate
+from shoal.bench.metrics import saturated_output_rate, ttft_phases
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "serving.jsonl"
@@ -129,6 +129,7 @@ def engine_half(args: argparse.Namespace) -> dict:
         raise RuntimeError("the prefix cache could not be reset before the closed loop")
     closed_times = TokenTimes()
     closed = asyncio.run(closed_loop(engine, requests, args.concurrency, closed_times))
+    opening_ttft, full_load_ttft = closed_times.phase_ttft_p50s_ms()
     return {
         "wall_s": wall,
         "output_tok_s": float(outs.sum()) / wall,
@@ -140,7 +141,8 @@ def engine_half(args: argparse.Namespace) -> dict:
         "closed_loop_ttft_p99_ms": closed_times.ttft_p99_ms(),
         "closed_loop_tpot_p50_ms": closed_times.tpot_p50_ms(requests),
         "closed_loop_cached_prompt_tokens": closed_times.cached_tokens,
-        "closed_loop_ttft_full_load_p50_ms": closed_times.full_load_ttft_p50_ms(),
+        "closed_loop_ttft_opening_p50_ms": opening_ttft,
+        "closed_loop_ttft_full_load_p50_ms": full_load_ttft,
         "closed_loop_itl_p50_ms": closed_times.itl_p50_ms(),
         "prompt_tokens_p50": float(np.median(ins)),
     }
@@ -199,12 +201,13 @@ class TokenTimes:
         tpots = [(self.end[i] - self.first[i]) / (n - 1) for i, n in outputs.items() if n > 1]
         return 1e3 * float(np.median(tpots)) if tpots else None
 
-    def full_load_ttft_p50_ms(self) -> float | None:
-        """TTFT p50 of the requests submitted once the first one ended (bench.metrics)."""
-        ttfts = full_load_ttfts(
+    def phase_ttft_p50s_ms(self) -> tuple[float | None, float | None]:
+        """TTFT p50 of the opening burst and of the requests submitted once the first one
+        ended (bench.metrics.ttft_phases)."""
+        phases = ttft_phases(
             list(self.submit.values()), self._ttfts(), [self.end[i] for i in self.submit]
         )
-        return 1e3 * float(np.median(ttfts)) if ttfts else None
+        return tuple(1e3 * float(np.median(t)) if t else None for t in phases)
 
 
 async def closed_loop(engine, requests: list, concurrency: int, times: TokenTimes) -> float:
@@ -358,6 +361,7 @@ def main() -> None:
             "errors": summary["requests"]["errors"],
             "ttft_p50_ms": lat["ttft"]["p50"],
             "ttft_p99_ms": lat["ttft"]["p99"],
+            "ttft_opening_p50_ms": (lat.get("ttft_opening") or {}).get("p50"),
             "ttft_full_load_p50_ms": (lat.get("ttft_full_load") or {}).get("p50"),
             "itl_p50_ms": lat["itl"]["p50"],
             "tpot_p50_ms": lat["tpot"]["p50"],
@@ -416,7 +420,7 @@ def _table(record: dict) -> str:
             f"engine closed    {_rate(engine['closed_loop_output_tok_s']):>10}"
             f"{_rate(engine['closed_loop_saturated_output_tok_s']):>11}"
             f"  TTFT p50 {_ms(engine['closed_loop_ttft_p50_ms'])}"
-            f"{_full_load(engine.get('closed_loop_ttft_full_load_p50_ms'))}"
+            f"{_phases(engine, 'closed_loop_ttft_')}"
             f"  ITL p50 {_ms(engine.get('closed_loop_itl_p50_ms'))}"
             f"  TPOT p50 {_ms(engine.get('closed_loop_tpot_p50_ms'))}"
             f"  TTFT p99 {_ms(engine.get('closed_loop_ttft_p99_ms'))} (in-process, "
@@ -427,7 +431,7 @@ def _table(record: dict) -> str:
         lines.append(
             f"shoal serve      {_rate(s['output_tok_s']):>10}"
             f"{_rate(s['saturated_output_tok_s']):>11}"
-            f"  TTFT p50 {_ms(s['ttft_p50_ms'])}{_full_load(s.get('ttft_full_load_p50_ms'))}"
+            f"  TTFT p50 {_ms(s['ttft_p50_ms'])}{_phases(s, 'ttft_')}"
             f"  ITL p50 {_ms(s['itl_p50_ms'])}  TPOT p50 {_ms(s['tpot_p50_ms'])}"
             f"  TTFT p99 {_ms(s['ttft_p99_ms'])}  errors {s['errors']}"
         )
@@ -456,9 +460,16 @@ def _ms(value: float | None) -> str:
     return f"{value:.1f} ms" if value < 100 else f"{value:.0f} ms"
 
 
-def _full_load(ttft_ms: float | None) -> str:
-    """The TTFT p50 of requests sent at full load, for the report line ('' if none)."""
-    return "" if ttft_ms is None else f" ({_ms(ttft_ms)} at full load)"
+def _phases(figures: dict, prefix: str) -> str:
+    """The TTFT p50s of the opening burst and at full load, for the report line ('' if
+    neither was recorded)."""
+    opening, full_load = (figures.get(f"{prefix}{p}_p50_ms") for p in ("opening", "full_load"))
+    parts = [
+        f"{_ms(v)} {name}"
+        for v, name in ((opening, "opening burst"), (full_load, "at full load"))
+        if v is not None
+    ]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 if __name__ == "__main__":

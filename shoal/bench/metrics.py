@@ -144,15 +144,20 @@ def saturated_output_rate(
     return float((np.minimum(count, 1) * in_first + rest).sum() / (hi - lo))
 
 
-def full_load_ttfts(
+def ttft_phases(
     start_s: Sequence[float], ttft_s: Sequence[float], end_s: Sequence[float]
-) -> list[float]:
-    """The TTFTs of the requests sent at full load (once the first request has ended): what
-    a steady load waits for its first token, without the opening burst's prefill queue."""
+) -> tuple[list[float], list[float]]:
+    """The TTFTs of the opening burst (requests sent before the first request ended: they
+    queue behind each other's prefill) and of the requests sent at full load (once the
+    first has ended: what a steady load waits for its first token). A run's overall TTFT
+    p50 falls where the two meet, so it moves with whichever is larger; each is steadier."""
     if not end_s:
-        return []
+        return [], []
     first_end = min(end_s)
-    return [t for s, t in zip(start_s, ttft_s, strict=True) if s >= first_end]
+    opening, full_load = [], []
+    for s, t in zip(start_s, ttft_s, strict=True):
+        (full_load if s >= first_end else opening).append(t)
+    return opening, full_load
 
 
 def summarize(
@@ -167,6 +172,9 @@ def summarize(
     duration = max(r.end_s for r in records) - min(r.start_s for r in records) if records else 0.0
     per_s = 1.0 / duration if duration > 0 else 0.0
     out_tokens = sum(r.output_tokens for r in ok)
+    opening, full_load = ttft_phases(
+        [r.start_s for r in timed], [r.ttft_s for r in timed], [r.end_s for r in timed]
+    )
     in_tokens = sum(
         r.input_tokens_server if r.input_tokens_server is not None else r.input_tokens for r in ok
     )
@@ -198,12 +206,8 @@ def summarize(
         "mean_in_flight": sum(r.e2e_s for r in sent) * per_s,
         "latency_ms": {
             "ttft": stats(v for r in ok if (v := request_ms(r, "ttft")) is not None),
-            "ttft_full_load": stats(
-                1e3 * t
-                for t in full_load_ttfts(
-                    [r.start_s for r in timed], [r.ttft_s for r in timed], [r.end_s for r in timed]
-                )
-            ),
+            "ttft_opening": stats(1e3 * t for t in opening),
+            "ttft_full_load": stats(1e3 * t for t in full_load),
             "itl": stats(x * 1e3 for r in ok for x in r.itl_s),
             "tpot": stats(v for r in ok if (v := request_ms(r, "tpot")) is not None),
             "e2e": stats(r.e2e_s * 1e3 for r in ok),

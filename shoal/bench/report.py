@@ -139,6 +139,12 @@ def format_run(run: Run) -> str:
             f"            {tp['saturated_output_tokens_per_s']:,.1f} output tok/s at full load "
             "(from the first end to the last first token)"
         )
+    opening = s["latency_ms"].get("ttft_opening")
+    if opening is not None:
+        lines.append(
+            f"            TTFT p50 {opening['p50']:,.1f} ms of the {opening['count']} "
+            "requests of the opening burst (sent before the first end)"
+        )
     full_load = s["latency_ms"].get("ttft_full_load")
     if full_load is not None:
         lines.append(

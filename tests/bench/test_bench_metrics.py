@@ -9,12 +9,12 @@ from bench_helpers import run_sessions
 from shoal.bench.client import RequestRecord
 from shoal.bench.loadgen import LoadShape
 from shoal.bench.metrics import (
-    full_load_ttfts,
     meets_slo,
     parse_slo,
     saturated_output_rate,
     stats,
     summarize,
+    ttft_phases,
 )
 from shoal.bench.workloads import LengthDist, single_turn
 
@@ -143,8 +143,8 @@ def test_saturated_output_rate_ignores_ramp_and_drain():
     assert sum(tokens) / (max(ends) - min(firsts)) < 0.6 * rate  # the whole-run rate
 
 
-def test_full_load_ttfts_leave_out_the_opening_burst():
+def test_ttft_phases_split_the_opening_burst_from_full_load():
     # two requests sent at 0 (TTFT 5 and 7), the first ends at 10; two sent after it
     starts, ttfts, ends = [0.0, 0.0, 10.0, 12.0], [5.0, 7.0, 1.0, 2.0], [10.0, 14.0, 20.0, 22.0]
-    assert full_load_ttfts(starts, ttfts, ends) == [1.0, 2.0]
-    assert full_load_ttfts([], [], []) == []
+    assert ttft_phases(starts, ttfts, ends) == ([5.0, 7.0], [1.0, 2.0])
+    assert ttft_phases([], [], []) == ([], [])

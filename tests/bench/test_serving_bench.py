@@ -51,3 +51,8 @@ def test_token_times_give_ttft_and_tpot_as_shoal_bench_does():
     # (end - first) / (tokens - 1): 100 ms for c0, 50 ms for c1; c2 has one token
     assert times.tpot_p50_ms(requests) == pytest.approx(75.0)
     assert times.itl_p50_ms() == pytest.approx(50.0)
+    # all three were submitted before the first end (0.3 s): the opening burst
+    assert times.phase_ttft_p50s_ms() == (pytest.approx(200.0), None)
+    times.submit["c3"] = 0.35
+    times.saw("c3", 0.45, True)
+    assert times.phase_ttft_p50s_ms() == (pytest.approx(200.0), pytest.approx(100.0))
