@@ -439,9 +439,16 @@ def _table(record: dict) -> str:
         s, engine = record["serve"], record["engine"]
         ttft = s["ttft_p50_ms"] - engine["closed_loop_ttft_p50_ms"]
         itl = s["itl_p50_ms"] - engine["closed_loop_itl_p50_ms"]
+        phases = [
+            f"{name} {s[f'ttft_{key}_p50_ms'] - engine[f'closed_loop_ttft_{key}_p50_ms']:+.2f}"
+            for key, name in (("opening", "opening burst"), ("full_load", "full load"))
+            if s.get(f"ttft_{key}_p50_ms") is not None
+            and engine.get(f"closed_loop_ttft_{key}_p50_ms") is not None
+        ]
         lines.append(
-            f"serve adds        TTFT p50 {ttft:+.2f} ms  ITL p50 {itl:+.2f} ms"
-            " (over the closed loop)"
+            f"serve adds        TTFT p50 {ttft:+.2f} ms"
+            + (f" ({', '.join(phases)})" if phases else "")
+            + f"  ITL p50 {itl:+.2f} ms (over the closed loop)"
         )
     if "serve_over_engine" in record:
         for name, key in (("engine", "engine"), ("closed", "closed_loop")):

@@ -56,3 +56,19 @@ def test_token_times_give_ttft_and_tpot_as_shoal_bench_does():
     times.submit["c3"] = 0.35
     times.saw("c3", 0.45, True)
     assert times.phase_ttft_p50s_ms() == (pytest.approx(200.0), pytest.approx(100.0))
+
+
+def test_the_table_gives_what_serve_adds_to_each_phase():
+    engine = {"output_tok_s": 100.0, "saturated_output_tok_s": 110.0}
+    engine |= {"closed_loop_output_tok_s": 98.0, "closed_loop_saturated_output_tok_s": 108.0}
+    engine |= {"closed_loop_ttft_p50_ms": 50.0, "closed_loop_itl_p50_ms": 7.5}
+    engine |= {"closed_loop_ttft_opening_p50_ms": 232.0, "closed_loop_ttft_full_load_p50_ms": 29.0}
+    serve = {"output_tok_s": 97.0, "saturated_output_tok_s": 107.0, "errors": 0}
+    serve |= {"ttft_p50_ms": 60.0, "ttft_p99_ms": 400.0, "itl_p50_ms": 8.0, "tpot_p50_ms": 8.0}
+    serve |= {"ttft_opening_p50_ms": 415.0, "ttft_full_load_p50_ms": 31.0}
+    workload = {"shape": "tiny", "num_requests": 4, "concurrency": 2}
+    record = {"workload": workload, "device": "cpu", "commit": "x", "engine": engine}
+    record["serve"] = serve
+    table = serving_bench._table(record)
+    assert "(232 ms opening burst, 29.0 ms at full load)" in table
+    assert "TTFT p50 +10.00 ms (opening burst +183.00, full load +2.00)" in table
