@@ -14,7 +14,10 @@ same engine settings, prefix caching included (--prefix-caching; earlier records
 have no `prefix_caching` field, ran the engine half without it and `shoal serve` with it),
 and the same sampling: greedy, ignore_eos, no min_tokens (records without a `sampling`
 field ran `shoal serve` at the API's default temperature 1.0 with min_tokens = max_tokens,
-more work per step than the engine half's greedy decoding). Appends the figures to
+more work per step than the engine half's greedy decoding). The client opens its
+connections before the serve half's run (--connect-first; records without a
+`client_connect_first` field opened them as the opening burst went out: 80-120 ms on an
+H200 host before most of it reached the frontend, docs/serving.md). Appends the figures to
 benchmarks/results/serving.jsonl.
 """
 
@@ -281,6 +284,7 @@ def serve_half(args: argparse.Namespace, out_dir: Path) -> dict:
         bench += ["--output-len", f"uniform:{args.min_len}:{args.max_len}"]
         bench += ["--extra-body", '{"temperature": 0}', "--no-min-tokens"]  # as the engine half
         bench += ["--warmup", "8", "--no-progress", "--no-plots", "--out", str(out_dir)]
+        bench += ["--connect-first"] if args.connect_first else []
         subprocess.run(bench, check=True, cwd=ROOT)
     doc = json.loads((out_dir / "results.json").read_text())
     return doc["runs"][-1]["summary"]
@@ -309,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="`shoal bench run --client-processes`: client processes driving `shoal serve`",
+    )
+    p.add_argument(
+        "--connect-first",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="`shoal bench run --connect-first`: the client opens its connections before the "
+        "run, as the in-process closed loop has none to open (default: on)",
     )
     p.add_argument("--half", choices=["engine", "serve", "both"], default="both")
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -340,6 +351,7 @@ def main() -> None:
             "sampling": "greedy, ignore_eos",
             "serve_args": args.serve_args,
             "client_processes": args.client_processes,
+            "client_connect_first": args.connect_first,
         },
     }
     if args.half in ("engine", "both"):

@@ -344,6 +344,14 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="unmeasured requests sent first (default: 0)",
     )
+    load.add_argument(
+        "--connect-first",
+        action="store_true",
+        help="open one connection per request in flight (--concurrency, each --sweep level "
+        "or --max-concurrency) before the run starts, so its TTFTs leave out TCP connection "
+        "set-up, as for a client that keeps its connections (default: connect as requests "
+        "go out, as a new client does)",
+    )
 
     out = p.add_argument_group("output")
     out.add_argument(
@@ -419,6 +427,12 @@ def _check_run_args(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1"
     if args.warmup < 0:
         return "--warmup must be >= 0"
+    uncapped = args.rate is not None or (args.workload == "trace" and args.concurrency is None)
+    if args.connect_first and uncapped and args.max_concurrency is None:
+        return (
+            "--connect-first opens one connection per request in flight: give --rate or "
+            "--replay a --max-concurrency"
+        )
     if args.rate is not None and args.rate <= 0:
         return "--rate must be > 0"
     if not args.arrival_jitter_ms >= 0:
@@ -540,6 +554,7 @@ async def _execute(
                         args.client_processes,
                         bar.update,
                         stop,
+                        args.connect_first,
                     )
                 finally:
                     stop.set()  # when cancelled (Ctrl-C): the processes are killed
@@ -548,6 +563,8 @@ async def _execute(
                 def on_record(record, bar=bar) -> None:
                     bar.update(1)
 
+                if args.connect_first and shape.concurrency:
+                    await client.open_connections(shape.concurrency)
                 result = await run_load(sessions, shape, client, vocab.count, on_record)
             bar.close()
             records = sorted(result.records, key=lambda r: r.index)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import resource
@@ -17,6 +19,9 @@ from shoal.bench.workloads import Turn
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 ERROR_DETAIL_CHARS = 300
 KEEPALIVE_S = 2.0  # seconds an idle pooled connection is kept (see OpenAIClient.__aenter__)
+DRAIN_S = (
+    1.0  # the longest wait, after [DONE], for the end of the body (then the connection closes)
+)
 FD_HEADROOM = 256  # file descriptors beyond the connections: files, pipes, the event loop
 
 
@@ -147,6 +152,7 @@ class OpenAIClient:
         min_tokens: bool = True,
     ) -> None:
         self.url = endpoint_url(base_url, endpoint)
+        self.models_url = _server_root(base_url) + "/v1/models"
         self.model = model
         self.chat = endpoint == "chat"
         self.timeout_s = timeout_s
@@ -179,6 +185,33 @@ class OpenAIClient:
             await self._session.close()
             self._session = None
 
+    async def open_connections(self, n: int) -> None:
+        """Open `n` connections (at most max_connections) and leave them idle in the pool,
+        so the requests that follow reuse them instead of connecting first.
+
+        Each connection carries one GET /v1/models whose body is read only once all `n`
+        answers have begun: until then every connection stays taken, so none is reused for
+        another of the `n` and each of them is a connection of its own.
+        """
+        assert self._session is not None, "use the client as `async with`"
+        session = self._session
+        n = min(n, self.max_connections) if self.max_connections else n
+        answered = 0
+        all_answered = asyncio.Event()
+
+        async def hold() -> None:
+            nonlocal answered
+            async with session.get(self.models_url) as resp:
+                resp.raise_for_status()
+                answered += 1
+                if answered == n:
+                    all_answered.set()
+                await all_answered.wait()
+                await resp.read()
+
+        async with asyncio.timeout(self.timeout_s):
+            await asyncio.gather(*(hold() for _ in range(n)))
+
     def body(self, prompt: dict[str, Any], max_tokens: int) -> dict[str, Any]:
         """The JSON body for one streaming request."""
         body: dict[str, Any] = {
@@ -205,7 +238,7 @@ class OpenAIClient:
         parts: list[str] = []
         token_times: list[float] = []
         done = False
-        start = time.perf_counter()
+        start = end = time.perf_counter()
         record.start_s = start - origin
         try:
             async with self._session.post(self.url, json=body) as resp:
@@ -221,13 +254,17 @@ class OpenAIClient:
                         continue
                     data = line[5:].strip()
                     if data == b"[DONE]":
-                        done = True
+                        done, end = True, now
                         break
                     chunk = json.loads(data)
                     if self._read_chunk(chunk, record, parts):
                         token_times.append(now)
                     if record.error_kind is not None:
                         return "".join(parts)
+                if done:  # the body's end follows: read it, or the connection is not reused
+                    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                        async with asyncio.timeout(DRAIN_S):
+                            await resp.content.read()
         except TimeoutError:
             record.fail("timeout", f"no complete response within {self.timeout_s:g} s")
         except aiohttp.ClientConnectorError as e:
@@ -237,8 +274,7 @@ class OpenAIClient:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             record.fail("bad-response", f"{type(e).__name__}: {e}")
         finally:
-            end = time.perf_counter()
-            record.end_s = end - origin
+            record.end_s = (end if done else time.perf_counter()) - origin
             record.chunks = len(token_times)
             if token_times:
                 record.ttft_s = token_times[0] - start

@@ -67,6 +67,7 @@ def run_load_in_processes(
     processes: int,
     progress: Callable[[int], None] | None = None,
     stop: threading.Event | None = None,
+    connect_first: bool = False,
 ) -> RunResult:
     """run_load over `processes` processes (spawned); returns the merged run under `shape`.
 
@@ -75,6 +76,7 @@ def run_load_in_processes(
     progress(n): called with the number of requests finished since the last call.
     stop: once set, the processes are killed and RunStopped is raised (a caller running
     this in a thread sets it when it is cancelled, e.g. by Ctrl-C).
+    connect_first: each process opens its share of the connections before it is ready.
     """
     parts = split(sessions, shape, processes)
     context = multiprocessing.get_context("spawn")
@@ -88,7 +90,7 @@ def run_load_in_processes(
             options = {**client_options, "max_connections": part.concurrency or 0}
             child = context.Process(
                 target=_client_process,
-                args=(theirs, options, tokenizer, mine, part, finished),
+                args=(theirs, options, tokenizer, mine, part, finished, connect_first),
                 daemon=True,
             )
             child.start()
@@ -151,19 +153,21 @@ def _client_process(
     sessions: list[Session],
     shape: LoadShape,
     finished: Any,
+    connect_first: bool,
 ) -> None:
-    """One process's share: ready, wait for the common start, run, send the records back."""
+    """One process's share: ready (its connections open first if asked), wait for the
+    common start, run, send the records back."""
     try:
         count = load_vocabulary(tokenizer).count
         raise_fd_limit(shape.concurrency or len(sessions))
-        pipe.send(("ready", None))
-        origin = pipe.recv()
 
         def on_record(_record: RequestRecord) -> None:
             with finished.get_lock():
                 finished.value += 1
 
-        result = asyncio.run(_run(client_options, sessions, shape, count, on_record, origin))
+        result = asyncio.run(
+            _run(pipe, client_options, sessions, shape, count, on_record, connect_first)
+        )
         pipe.send(("done", ([asdict(r) for r in result.records], result.wall_s)))
     except Exception as e:  # the parent raises it, unless it has gone (a closed pipe)
         with contextlib.suppress(OSError):
@@ -173,12 +177,17 @@ def _client_process(
 
 
 async def _run(
+    pipe: Connection,
     client_options: dict[str, Any],
     sessions: list[Session],
     shape: LoadShape,
     count: Callable[[str], int],
     on_record: Callable[[RequestRecord], None],
-    origin: float,
+    connect_first: bool,
 ) -> RunResult:
     async with OpenAIClient(**client_options) as client:
+        if connect_first and shape.concurrency:
+            await client.open_connections(shape.concurrency)
+        pipe.send(("ready", None))
+        origin = await asyncio.to_thread(pipe.recv)
         return await run_load(sessions, shape, client, count, on_record, origin)

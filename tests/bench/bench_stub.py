@@ -56,6 +56,7 @@ class StubServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.all_arrived: asyncio.Event | None = None
+        self.ports: dict[str, list[int]] = {"models": [], "generate": []}  # client ports
 
     def start(self) -> str:
         self.thread.start()
@@ -79,7 +80,13 @@ class StubServer:
         self.thread.join(timeout=10)
         self.loop.close()
 
+    @staticmethod
+    def client_port(request: web.Request) -> int:
+        """The client's port: one per connection."""
+        return request.transport.get_extra_info("peername")[1]
+
     async def models(self, request: web.Request) -> web.Response:
+        self.ports["models"].append(self.client_port(request))
         return web.json_response({"object": "list", "data": [{"id": "stub-model"}]})
 
     def prompt_tokens(self, body: dict, chat: bool) -> int:
@@ -93,6 +100,7 @@ class StubServer:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         t0 = asyncio.get_running_loop().time()
+        self.ports["generate"].append(self.client_port(request))
         body = await request.json()
         cfg = {**DEFAULTS, **body.get("stub", {})}
         self.count += 1

@@ -386,3 +386,42 @@ def test_ctrl_c_stops_a_run_with_a_message_not_a_traceback(stub, tokenizer_json,
     _, stderr = run.communicate(timeout=30)
     assert run.returncode == 130
     assert "shoal bench: interrupted" in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_connect_first_opens_the_runs_connections_before_it(
+    stub, tokenizer_json, tmp_path, processes
+):
+    for connect_first in (False, True):
+        stub.reset()
+        code = bench_cli(
+            "run",
+            *common(stub, tokenizer_json, ttft_ms=5),
+            "--client-processes", str(processes),
+            "--concurrency", "6",
+            "--num-requests", "18",
+            "--input-len", "8",
+            "--output-len", "2",
+            "--no-plots",
+            "--out", str(tmp_path / str(connect_first)),
+            *(["--connect-first"] if connect_first else []),
+        )  # fmt: skip
+        assert code == 0 and stub.count == 18
+        opened, used = set(stub.ports["models"]), set(stub.ports["generate"])
+        assert len(used) == 6  # six connections, each reused by the requests that follow
+        if connect_first:  # every request went out on a connection opened before the run
+            assert used <= opened
+        else:
+            assert not used & opened
+
+
+def test_connect_first_needs_a_cap_on_requests_in_flight(stub, tokenizer_json, tmp_path, capsys):
+    code = bench_cli(
+        "run",
+        *common(stub, tokenizer_json),
+        "--rate", "10",
+        "--connect-first",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert code == 2
+    assert "--connect-first" in capsys.readouterr().err
