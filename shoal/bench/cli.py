@@ -17,6 +17,7 @@ import aiohttp
 
 from shoal.bench.client import (
     ENDPOINTS,
+    ConnectFailed,
     OpenAIClient,
     endpoint_url,
     list_models,
@@ -24,7 +25,7 @@ from shoal.bench.client import (
 )
 from shoal.bench.loadgen import ARRIVALS, LoadShape, run_load
 from shoal.bench.metrics import parse_slo, summarize
-from shoal.bench.processes import run_load_in_processes
+from shoal.bench.processes import ClientProcessFailed, run_load_in_processes
 from shoal.bench.prompts import PromptBuilder
 from shoal.bench.report import (
     Run,
@@ -630,7 +631,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     url = endpoint_url(args.url, args.endpoint)
     print(f"model {model} at {url}; prompts from {vocab.source}", flush=True)
-    runs = asyncio.run(_execute(args, client_options, vocab, plans, warmup))
+    try:
+        runs = asyncio.run(_execute(args, client_options, vocab, plans, warmup))
+    except (ConnectFailed, ClientProcessFailed) as e:
+        print(f"shoal bench: {e}", file=sys.stderr)
+        return 1
     for run in runs:
         print(format_run(run))
         print()

@@ -19,9 +19,7 @@ from shoal.bench.workloads import Turn
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 ERROR_DETAIL_CHARS = 300
 KEEPALIVE_S = 2.0  # seconds an idle pooled connection is kept (see OpenAIClient.__aenter__)
-DRAIN_S = (
-    1.0  # the longest wait, after [DONE], for the end of the body (then the connection closes)
-)
+DRAIN_S = 1.0  # seconds to wait after [DONE] for the body's end (else the connection closes)
 FD_HEADROOM = 256  # file descriptors beyond the connections: files, pipes, the event loop
 
 
@@ -135,6 +133,10 @@ def endpoint_url(base_url: str, endpoint: str) -> str:
     return _server_root(base_url) + ENDPOINTS[endpoint]
 
 
+class ConnectFailed(RuntimeError):
+    """OpenAIClient.open_connections could not open the connections asked for."""
+
+
 class OpenAIClient:
     """One aiohttp session posting streaming requests; use as `async with`."""
 
@@ -209,8 +211,18 @@ class OpenAIClient:
                 await all_answered.wait()
                 await resp.read()
 
-        async with asyncio.timeout(self.timeout_s):
-            await asyncio.gather(*(hold() for _ in range(n)))
+        tasks = [asyncio.ensure_future(hold()) for _ in range(n)]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await asyncio.gather(*tasks)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            for task in tasks:  # the others wait for all n: they would never end
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            reason = str(e) or type(e).__name__
+            raise ConnectFailed(
+                f"could not open connections to {self.models_url} ({n} asked): {reason}"
+            ) from e
 
     def body(self, prompt: dict[str, Any], max_tokens: int) -> dict[str, Any]:
         """The JSON body for one streaming request."""

@@ -135,14 +135,18 @@ class RunStopped(Exception):
     """run_load_in_processes was stopped before every process ended."""
 
 
+class ClientProcessFailed(RuntimeError):
+    """A client process failed, or exited without its results."""
+
+
 def _reply(pipe: Connection) -> Any:
     """A client process's next message; its failure raised here."""
     try:
         kind, payload = pipe.recv()
     except EOFError:
-        raise RuntimeError("a client process exited without its results") from None
+        raise ClientProcessFailed("a client process exited without its results") from None
     if kind == "error":
-        raise RuntimeError(f"a client process failed: {payload}")
+        raise ClientProcessFailed(f"a client process failed: {payload}")
     return payload
 
 

@@ -425,3 +425,22 @@ def test_connect_first_needs_a_cap_on_requests_in_flight(stub, tokenizer_json, t
     )  # fmt: skip
     assert code == 2
     assert "--connect-first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_connections_that_cannot_be_opened_first_are_a_message(
+    closed_port_url, tmp_path, capsys, processes
+):
+    code = bench_cli(
+        "run",
+        "--url", closed_port_url,
+        "--model", "m",
+        "--concurrency", "2",
+        "--client-processes", processes,
+        "--connect-first",
+        "--no-progress",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "could not open connections" in err and "asked)" in err
