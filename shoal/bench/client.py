@@ -19,6 +19,7 @@ from shoal.bench.workloads import Turn
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 ERROR_DETAIL_CHARS = 300
 KEEPALIVE_S = 2.0  # seconds an idle pooled connection is kept (see OpenAIClient.__aenter__)
+OPEN_CONNECTIONS_S = 30.0  # the longest open_connections waits for all of them
 DRAIN_S = 1.0  # seconds to wait after [DONE] for the body's end (else the connection closes)
 FD_HEADROOM = 256  # file descriptors beyond the connections: files, pipes, the event loop
 
@@ -213,7 +214,7 @@ class OpenAIClient:
 
         tasks = [asyncio.ensure_future(hold()) for _ in range(n)]
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(min(self.timeout_s, OPEN_CONNECTIONS_S)):
                 await asyncio.gather(*tasks)
         except (aiohttp.ClientError, TimeoutError) as e:
             for task in tasks:  # the others wait for all n: they would never end
