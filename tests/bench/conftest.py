@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 from bench_stub import StubServer
+from ports import free_port
 
 from shoal.bench.prompts import PromptBuilder
 from shoal.bench.vocab import Vocabulary, load_vocabulary
@@ -45,7 +45,4 @@ def stub(stub_server: StubServer) -> StubServer:
 @pytest.fixture
 def closed_port_url() -> str:
     """A URL on which nothing listens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
