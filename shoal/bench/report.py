@@ -139,18 +139,16 @@ def format_run(run: Run) -> str:
             f"            {tp['saturated_output_tokens_per_s']:,.1f} output tok/s at full load "
             "(from the first end to the last first token)"
         )
-    opening = s["latency_ms"].get("ttft_opening")
-    if opening is not None:
-        lines.append(
-            f"            TTFT p50 {opening['p50']:,.1f} ms of the {opening['count']} "
-            "requests of the opening burst (sent before the first end)"
-        )
-    full_load = s["latency_ms"].get("ttft_full_load")
-    if full_load is not None:
-        lines.append(
-            f"            TTFT p50 {full_load['p50']:,.1f} ms of the {full_load['count']} "
-            "requests sent at full load (after the first end)"
-        )
+    for key, which in (
+        ("ttft_opening", "of the opening burst (sent before the first end)"),
+        ("ttft_full_load", "sent at full load (after the first end)"),
+    ):
+        phase = s["latency_ms"].get(key)
+        if phase is not None:
+            lines.append(
+                f"            TTFT p50 {phase['p50']:,.1f} ms of the {phase['count']} "
+                f"requests {which}"
+            )
     if s["goodput"]:
         g = s["goodput"]
         slo = " ".join(f"{k}<={v:g}ms" for k, v in g["slo_ms"].items())
