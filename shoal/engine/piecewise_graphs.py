@@ -31,14 +31,18 @@ from shoal.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 2048  # larger batches run eagerly: the device is the limit there, not launches
+MAX_TOKENS = 16384  # larger batches run eagerly
 WHOLE_MAX_TOKENS = 1024  # a prompt alone up to this many tokens replays one whole graph
 
 
 def token_count_ladder(max_tokens: int) -> list[int]:
-    """Padded token counts to capture: steps of 64 to 1024, of 128 to 2048."""
+    """Padded token counts to capture: steps of 64 to 1024, then eight steps to each
+    doubling (128 to 2048, 256 to 4096, ...), so padding stays under an eighth."""
     cap = min(max_tokens, MAX_TOKENS)
-    sizes = [*range(64, 1025, 64), *range(1152, MAX_TOKENS + 1, 128)]
+    sizes, step = list(range(64, 1025, 64)), 128
+    while sizes[-1] < cap:
+        sizes += range(sizes[-1] + step, 2 * sizes[-1] + 1, step)
+        step *= 2
     return [s for s in sizes if s < cap] + [cap]
 
 

@@ -2,6 +2,8 @@
 graphs, replayed around eager attention, equal the CPU forward pass (GPU), as does the whole
 graph of a prompt alone."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -88,6 +90,9 @@ def test_ladder():
     full = token_count_ladder(16384)
     assert full[:3] == [64, 128, 192] and full[-1] == MAX_TOKENS
     assert full == sorted(set(full)) and 1024 in full and 1152 in full
+    assert all(b / a <= 1.125 for a, b in pairwise(full[15:]))  # from 1024 on
+    assert token_count_ladder(3000)[-3:] == [2560, 2816, 3000]
+    assert token_count_ladder(10**6)[-1] == MAX_TOKENS == 16384
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
