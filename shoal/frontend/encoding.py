@@ -24,16 +24,24 @@ LARGE_TEXT = 16_384  # characters: always tokenized (or a chat template rendered
 SHORT_TEXT = 512  # characters: always tokenized on the loop
 BUSY_SHARE = 0.25  # of a core: above it, texts longer than SHORT_TEXT go to threads
 WINDOW_S = 0.1  # the span over which the share is measured
+MIN_SPAN_S = 0.01  # the shortest span the window still open is judged over
 
 
 class TokenizeShare:
-    """The share of a core that tokenizing took over the latest window of at least
-    `window_s` (inline or in threads: every encode's own duration counts)."""
+    """The share of a core that tokenizing took (inline or in threads: every encode's own
+    duration counts): over the latest window of at least `window_s`, or over the window
+    still open once that is higher, so a burst after an idle spell shows within
+    milliseconds instead of when its first window closes (`min_span_s` keeps the first
+    encodes of a window from reading as a full core)."""
 
     def __init__(
-        self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic
+        self,
+        window_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+        min_span_s: float = MIN_SPAN_S,
     ) -> None:
         self.window_s = window_s
+        self.min_span_s = min_span_s
         self.clock = clock
         self.share = 0.0
         self._start = clock()
@@ -41,17 +49,21 @@ class TokenizeShare:
 
     def add(self, seconds: float) -> None:
         """Count an encode that took `seconds`."""
-        now = self.clock()
-        elapsed = now - self._start
-        if elapsed >= self.window_s:
-            self.share = self._spent / elapsed
-            self._start, self._spent = now, 0.0
+        self._roll(self.clock())
         self._spent += seconds
 
     def current(self) -> float:
         """The share, with a window that has run out closed first (idle time lowers it)."""
-        self.add(0.0)
-        return self.share
+        now = self.clock()
+        self._roll(now)
+        return max(self.share, self._spent / max(now - self._start, self.min_span_s))
+
+    def _roll(self, now: float) -> None:
+        """Close the open window if it has lasted `window_s`, and open the next."""
+        elapsed = now - self._start
+        if elapsed >= self.window_s:
+            self.share = self._spent / elapsed
+            self._start, self._spent = now, 0.0
 
 
 _share = TokenizeShare()

@@ -208,13 +208,35 @@ def test_prompts_are_tokenized_off_the_loop_when_long_or_when_tokenizing_fills_i
 
 def test_tokenize_share_is_the_latest_windows_encode_time_per_second():
     now = [0.0]
-    share = encoding.TokenizeShare(window_s=0.1, clock=lambda: now[0])
-    share.add(0.010)
+    share = encoding.TokenizeShare(window_s=0.1, clock=lambda: now[0], min_span_s=0.01)
+    share.add(0.001)
     now[0] = 0.05
-    share.add(0.020)
-    assert share.current() == 0.0  # the first window is still open
+    share.add(0.004)
+    assert share.current() == pytest.approx(0.1)  # the open window: 5 ms in 50 ms
     now[0] = 0.1
-    assert share.current() == pytest.approx(0.3)  # 30 ms of tokenizing in 100 ms
-    share.add(0.005)
-    now[0] = 0.6  # then idle: the window that closes now spans 500 ms
-    assert share.current() == pytest.approx(0.01)
+    share.add(0.025)  # the first window closes (10% of a core) before this one counts
+    assert share.current() == pytest.approx(2.5)  # 25 ms at once: judged over 10 ms
+    now[0] = 0.2
+    assert share.current() == pytest.approx(0.25)  # 25 ms of tokenizing in 100 ms
+    now[0] = 0.7  # then idle: the window that closes now spans 500 ms
+    assert share.current() == pytest.approx(0.0)
+
+
+def test_a_burst_after_idle_goes_to_threads_within_its_first_prompts():
+    """The opening burst of a benchmark (256 long prompts at once after an idle spell):
+    with the share of the window still open counted, tokenizing leaves the loop after a
+    few prompts, not after the first closed window (100 ms, 80-130 prompts inline on an
+    H200 host, each costing the loop a millisecond instead of half of one)."""
+    now = [10.0]
+    share = encoding.TokenizeShare(clock=lambda: now[0])
+    inline = 0
+    while share.current() <= encoding.BUSY_SHARE:
+        inline += 1
+        now[0] += 0.0006  # one 570-word prompt tokenized inline
+        share.add(0.0006)
+        now[0] += 0.0004  # the rest of the request's work on the loop
+    assert 3 <= inline <= 6
+    now[0] += 5.0  # a request now and then after the burst is tokenized inline again
+    share.add(0.0006)
+    now[0] += 0.2
+    assert share.current() < encoding.BUSY_SHARE
