@@ -129,6 +129,11 @@ def _server_root(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1")
 
 
+def models_url(base_url: str) -> str:
+    """The server's GET /v1/models address, whatever form `base_url` takes."""
+    return _server_root(base_url) + "/v1/models"
+
+
 def endpoint_url(base_url: str, endpoint: str) -> str:
     """`base_url` (with or without a trailing /v1) joined with the endpoint's path."""
     return _server_root(base_url) + ENDPOINTS[endpoint]
@@ -155,7 +160,7 @@ class OpenAIClient:
         min_tokens: bool = True,
     ) -> None:
         self.url = endpoint_url(base_url, endpoint)
-        self.models_url = _server_root(base_url) + "/v1/models"
+        self.models_url = models_url(base_url)
         self.model = model
         self.chat = endpoint == "chat"
         self.timeout_s = timeout_s
@@ -337,7 +342,7 @@ def raise_fd_limit(connections: int) -> None:
 
 async def list_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
     """Model ids served at `base_url` (GET /v1/models)."""
-    url = _server_root(base_url) + "/v1/models"
+    url = models_url(base_url)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
         resp.raise_for_status()
