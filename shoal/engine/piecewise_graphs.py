@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 
 import torch
 
@@ -33,17 +34,28 @@ log = logging.getLogger(__name__)
 
 MAX_TOKENS = 16384  # larger batches run eagerly
 WHOLE_MAX_TOKENS = 1024  # a prompt alone up to this many tokens replays one whole graph
+# A step whose layers each do more matmul work than this keeps the device busy longer than
+# the host takes to launch a layer's ~20 kernels eagerly (~1 ms), so replaying it gains
+# nothing and its padding costs: Llama-3.1-8B (0.44 GFLOP a token a layer) ran 16k-token
+# prefill steps 1.4% slower replayed than eagerly on the H200, while Qwen3-0.6B's (0.03)
+# were bound by their launches in the worker (docs/serving.md).
+LAYER_FLOPS_WORTH_REPLAYING = 1e12
 
 
-def token_count_ladder(max_tokens: int) -> list[int]:
+def token_count_ladder(max_tokens: int, layer_params: int = 0) -> list[int]:
     """Padded token counts to capture: steps of 64 to 1024, then eight steps to each
-    doubling (128 to 2048, 256 to 4096, ...), so padding stays under an eighth."""
+    doubling (128 to 2048, 256 to 4096, ...), so padding stays under an eighth; up to
+    max_tokens, MAX_TOKENS and, given a layer's parameter count, the first count at which
+    the layer's matmuls reach LAYER_FLOPS_WORTH_REPLAYING."""
     cap = min(max_tokens, MAX_TOKENS)
     sizes, step = list(range(64, 1025, 64)), 128
     while sizes[-1] < cap:
         sizes += range(sizes[-1] + step, 2 * sizes[-1] + 1, step)
         step *= 2
-    return [s for s in sizes if s < cap] + [cap]
+    sizes = [s for s in sizes if s < cap] + [cap]
+    if layer_params:
+        sizes = sizes[: bisect_left(sizes, LAYER_FLOPS_WORTH_REPLAYING / (2 * layer_params)) + 1]
+    return sizes
 
 
 class PiecewiseGraphs:
@@ -55,7 +67,8 @@ class PiecewiseGraphs:
         the most KV blocks one sequence holds."""
         self.decoder = model.model
         self.attention = model.attention_layers()
-        self.sizes = token_count_ladder(max_tokens)
+        layer_params = sum(p.numel() for p in self.decoder.layers[0].parameters())
+        self.sizes = token_count_ladder(max_tokens, layer_params)
         n = self.sizes[-1]
         first = self.attention[0]
         heads, head_dim = first.num_heads, first.head_dim

@@ -7,7 +7,12 @@ from itertools import pairwise
 import pytest
 import torch
 
-from shoal.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, token_count_ladder
+from shoal.engine.piecewise_graphs import (
+    LAYER_FLOPS_WORTH_REPLAYING,
+    MAX_TOKENS,
+    PiecewiseGraphs,
+    token_count_ladder,
+)
 from shoal.layers.attention import AttentionMetadata
 from shoal.models.config import ModelConfig
 from shoal.models.loader import load_model
@@ -93,6 +98,16 @@ def test_ladder():
     assert all(b / a <= 1.125 for a, b in pairwise(full[15:]))  # from 1024 on
     assert token_count_ladder(3000)[-3:] == [2560, 2816, 3000]
     assert token_count_ladder(10**6)[-1] == MAX_TOKENS == 16384
+
+
+def test_ladder_stops_where_a_layers_matmuls_outlast_its_launches():
+    """Llama-3.1-8B's layer (218M parameters) reaches 1e12 FLOP at 2,294 tokens: the
+    ladder ends at the first count past it; Qwen3-0.6B's (15.7M) runs to MAX_TOKENS."""
+    assert LAYER_FLOPS_WORTH_REPLAYING == 1e12
+    big = token_count_ladder(16384, layer_params=218_000_000)
+    assert big[-2:] == [2048, 2304] and big == token_count_ladder(2304)
+    assert token_count_ladder(16384, layer_params=15_700_000) == token_count_ladder(16384)
+    assert token_count_ladder(1000, layer_params=218_000_000) == token_count_ladder(1000)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
