@@ -3,8 +3,9 @@
 Sequences are concatenated (no padding); every token gets its position and its cache
 slot; each sequence its block table. Only sequences whose scheduled chunk reaches their
 last known token are sampled. On CUDA, pure-decode batches replay captured CUDA graphs and
-batches with prompt tokens (up to piecewise_graphs.MAX_TOKENS) replay piecewise ones, with
-attention run eagerly between the pieces.
+batches with prompt tokens (up to the top of piecewise_graphs.token_count_ladder: at most
+MAX_TOKENS, less for a model whose layers outlast their launches) replay piecewise ones,
+with attention run eagerly between the pieces.
 
 The runner keeps its own copy of the block table. On rank 0 it turns the scheduler's
 output into a StepPlan (block ids that changed included), sends it to the other
