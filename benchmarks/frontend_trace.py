@@ -3,12 +3,13 @@
     python benchmarks/frontend_trace.py OUT_DIR -m shoal frontend ...
 
 Wraps, before running the module, the functions a request and its outputs pass through: in
-the frontend the HTTP bytes' arrival (uvicorn), the generation route's call and each body
-write; in both processes every request-plane message sent or received (FrameProtocol); in the
-worker the engine thread's taking a request, each step's start, the hand-over of a step's
-outputs and the event loop's dispatch of them. Each timestamp is time.perf_counter
-(CLOCK_MONOTONIC: one clock for every process of the host); at exit the process writes
-them to OUT_DIR/<role>-<pid>.json, and `breakdown` lines them up per request.
+the frontend the HTTP bytes' arrival (uvicorn), the start of uvicorn's task for the
+request, the generation route's call and each body write; in both processes every
+request-plane message sent or received (FrameProtocol); in the worker the engine thread's
+taking a request, each step's start, the hand-over of a step's outputs and the event loop's
+dispatch of them. Each timestamp is time.perf_counter (CLOCK_MONOTONIC: one clock for every
+process of the host); at exit the process writes them to OUT_DIR/<role>-<pid>.json, and
+`breakdown` lines them up per request.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without i
 MIN_FRAMES = 60  # bytes: request-plane messages shorter than this are heartbeats or credit
 
 FIRST_TOKEN = [
-    ("f:endpoint", "HTTP bytes in -> the generation route called"),
+    ("f:asgi", "HTTP bytes in -> uvicorn's task for the request starts (headers parsed)"),
+    ("f:endpoint", "-> the generation route called (middleware)"),
     ("f:send", "-> request sent on the request plane (preprocess, route, open)"),
     ("w:recv", "-> the worker's loop has it"),
     ("w:add", "-> the engine thread takes it"),
@@ -39,7 +41,7 @@ FIRST_TOKEN = [
     ("f:recv", "-> the frontend's loop has them"),
     ("f:body", "-> the SSE body write"),
 ]
-NEXT_TOKEN = FIRST_TOKEN[5:]
+NEXT_TOKEN = FIRST_TOKEN[[name for name, _ in FIRST_TOKEN].index("w:deliver") :]
 
 
 def install(out_dir: str, role: str) -> None:
@@ -104,7 +106,7 @@ def install(out_dir: str, role: str) -> None:
         from shoal.frontend import app
 
         protocol, cycle = httptools_impl.HttpToolsProtocol, httptools_impl.RequestResponseCycle
-        received, respond = protocol.data_received, cycle.send
+        received, respond, run_asgi = protocol.data_received, cycle.send, cycle.run_asgi
         parse_body = app.parse_body
 
         def traced_received(self, data: bytes) -> None:
@@ -116,11 +118,16 @@ def install(out_dir: str, role: str) -> None:
                 stamp("body", len(message.get("body", b"")))
             await respond(self, message)
 
+        async def traced_run_asgi(self, app) -> None:
+            stamp("asgi")
+            await run_asgi(self, app)
+
         async def traced_parse_body(*args, **kwargs):
             stamp("endpoint")
             return await parse_body(*args, **kwargs)
 
         protocol.data_received, cycle.send = traced_received, traced_respond
+        cycle.run_asgi = traced_run_asgi
         app.parse_body = traced_parse_body
 
 

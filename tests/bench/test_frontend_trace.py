@@ -24,7 +24,9 @@ if {role!r} == "worker":
     ]
 else:
     from shoal.frontend import app
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
     assert app.parse_body.__name__ == "traced_parse_body"
+    assert RequestResponseCycle.run_asgi.__name__ == "traced_run_asgi"
 """
 
 
@@ -44,6 +46,7 @@ def test_breakdown_follows_the_first_token_past_an_empty_hand_over(tmp_path: Pat
     frame = 100  # bytes: above MIN_FRAMES, a request or a response
     frontend = [
         (0.000, "http_in", 300),
+        (0.0005, "asgi", 0),
         (0.001, "endpoint", 0),
         (0.002, "send", frame),
         (0.015, "recv", frame),
@@ -63,6 +66,7 @@ def test_breakdown_follows_the_first_token_past_an_empty_hand_over(tmp_path: Pat
     (tmp_path / "worker-2.json").write_text(json.dumps(worker))
     rows = breakdown(str(tmp_path), skip=0, horizon_s=1.0)["first_token"]
     at = {row.split()[0]: float(row.split()[1]) for row in rows}
+    assert at["f:asgi"] == 0.5 and at["f:endpoint"] == 1.0
     assert at["w:deliver"] == 12.0
     assert at["w:dispatch"] == 13.0
     assert at["f:body"] == 16.0
