@@ -139,6 +139,7 @@ class ModelRunner:
         self.followers = followers
         self.device = device
         self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
         self.table = RunnerBlockTable()
         self.sampler = Sampler(generator)
         self.staging = InputStaging(device)
@@ -185,13 +186,35 @@ class ModelRunner:
             cache.index_copy_(1, index, data[layer])
 
     def capture_graphs(self, profile: bool = False) -> float:
-        """Capture the decode and the piecewise CUDA graphs; returns seconds spent (0 when
-        graphs are off). profile: for the memory profile, which leaves out the whole graphs
-        of a prompt alone: they share the pieces' memory pool and add ~15 MB to it (8 KV
-        blocks of Qwen3-0.6B), not worth a second capture's start-up time."""
+        """Capture the decode and the piecewise CUDA graphs, then load the LM head's
+        kernels; returns seconds spent capturing (0 when graphs are off). profile: for the memory
+        profile, which leaves out the whole graphs of a prompt alone (they share the
+        pieces' memory pool and add ~15 MB to it, 8 KV blocks of Qwen3-0.6B, not worth a
+        second capture's start-up time) and the kernels."""
         if self.graphs is None or self.mixed_graphs is None:
             return 0.0
-        return self.graphs.capture() + self.mixed_graphs.capture(whole=not profile)
+        seconds = self.graphs.capture() + self.mixed_graphs.capture(whole=not profile)
+        if not profile:
+            self._load_logit_kernels()
+        return seconds
+
+    @torch.inference_mode()
+    def _load_logit_kernels(self) -> None:
+        """Run the LM head at every row count a step may sample (1 to max_num_seqs).
+
+        CUDA loads a kernel when it is first launched, and the load waits for the device
+        to finish the work queued before it. The LM head's GEMM kernel depends on the row
+        count, so a step sampling a count not seen before held the host in the LM head
+        until the step in flight had ended, and the device then waited for the host: in a
+        fresh worker's first burst of 16,384-token steps (Qwen3-0.6B, H200) the LM head
+        held the host 25-33 ms a step and the steps took 43-50 ms instead of 37-39 ms
+        (docs/gpu.md). Every rank runs it (the LM head gathers across them)."""
+        hidden = torch.zeros(
+            self.max_num_seqs, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device
+        )
+        for rows in range(1, self.max_num_seqs + 1):
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
 
     def _plan(self, sched: SchedulerOutput) -> tuple[StepPlan, np.ndarray, list]:
         """The step's plan, the indices of the sequences it samples, and the prompt-logprob

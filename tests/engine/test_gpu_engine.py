@@ -1,8 +1,13 @@
 """The GPU engine against the CPU reference engine on the tiny models (needs CUDA)."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from helpers import assert_no_leaks, assert_same, greedy, outputs, random_prompts, token_ids
+from tiny_models import write_model
 
 from shoal import LLM as _LLM
 from shoal import SamplingParams
@@ -85,3 +90,40 @@ def test_async_scheduling_sampling_equals_sync_on_gpu(llama_dir):
     ]:
         assert_same(outputs(overlapped, PROMPTS, params), outputs(sync, PROMPTS, params))
     assert_no_leaks(overlapped)
+
+
+def test_a_fresh_engine_has_loaded_the_lm_head_kernel_of_every_row_count(tmp_path):
+    """CUDA loads a kernel on its first launch, and the load waits for the device: a step
+    sampling a row count not seen before stalled in the LM head until the step in flight
+    ended. A fresh engine has run the LM head at every count a step may sample, so none
+    loads a kernel afterwards (CUPTI reports each load). In a process of its own: kernels
+    loaded by other tests would hide a missing load. A wider model than the tiny ones, so
+    that cuBLAS picks among several kernels."""
+    model = write_model(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32768,
+    )
+    script = f"""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        from shoal import LLM
+        llm = LLM({str(model)!r}, device="cuda", dtype="bfloat16", max_num_seqs=128,
+                  kv_cache_memory_bytes=64 * 2**20)
+        runner = llm.engine.runner
+        hidden = torch.ones(128, 512, dtype=torch.bfloat16, device="cuda")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for rows in range(1, 129):
+                runner.model.compute_logits(hidden[:rows])
+            torch.cuda.synchronize()
+        print(sum(e.name == "Lazy Function Loading" for e in prof.events()))
+    """
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "0"
