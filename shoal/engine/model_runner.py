@@ -187,10 +187,10 @@ class ModelRunner:
 
     def capture_graphs(self, profile: bool = False) -> float:
         """Capture the decode and the piecewise CUDA graphs, then load the LM head's
-        kernels; returns seconds spent capturing (0 when graphs are off). profile: for the memory
-        profile, which leaves out the whole graphs of a prompt alone (they share the
-        pieces' memory pool and add ~15 MB to it, 8 KV blocks of Qwen3-0.6B, not worth a
-        second capture's start-up time) and the kernels."""
+        kernels; returns the seconds spent capturing (0 when graphs are off). profile: for
+        the memory profile, which leaves out the whole graphs of a prompt alone (they share
+        the pieces' memory pool and add ~15 MB to it, 8 KV blocks of Qwen3-0.6B, not worth
+        a second capture's start-up time) and the kernels."""
         if self.graphs is None or self.mixed_graphs is None:
             return 0.0
         seconds = self.graphs.capture() + self.mixed_graphs.capture(whole=not profile)
@@ -207,7 +207,7 @@ class ModelRunner:
         count, so a step sampling a count not seen before held the host in the LM head
         until the step in flight had ended, and the device then waited for the host: in a
         fresh worker's first burst of 16,384-token steps (Qwen3-0.6B, H200) the LM head
-        held the host 25-33 ms a step and the steps took 43-50 ms instead of 37-39 ms
+        held the host 20-33 ms a step and the steps took 43-50 ms instead of 35-39 ms
         (docs/gpu.md). Every rank runs it (the LM head gathers across them)."""
         hidden = torch.zeros(
             self.max_num_seqs, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device
