@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from provenance import ENV, ProvenanceError, provenance
+from provenance import (
+    ENV,
+    TREE_ENV,
+    ProvenanceError,
+    commit_fingerprint,
+    files_fingerprint,
+    provenance,
+)
 
 
 def git(repo: Path, *args: str) -> str:
@@ -93,3 +100,42 @@ def test_without_git_env_commit_is_trusted_and_marked(tmp_path: Path) -> None:
     }
     assert provenance(copy, {ENV: "1234abc+dirty"})["dirty"] is True
     assert provenance(copy, {}) == {"commit": "unknown", "dirty": None, "commit_source": "none"}
+
+
+def commit_code_change(repo: Path, text: str) -> str:
+    """Commit a change to shoal/mod.py (a code path the fingerprint covers); its sha."""
+    (repo / "shoal").mkdir(exist_ok=True)
+    (repo / "shoal" / "mod.py").write_text(text)
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", text)
+    return git(repo, "rev-parse", "HEAD")
+
+
+def test_the_files_of_a_clean_checkout_have_its_commits_fingerprint(repo: Path) -> None:
+    first = commit_code_change(repo, "a = 1\n")
+    assert files_fingerprint(repo) == commit_fingerprint(repo)
+    commit_code_change(repo, "a = 2\n")
+    assert files_fingerprint(repo) == commit_fingerprint(repo) != commit_fingerprint(repo, first)
+    (repo / "benchmarks" / "results" / "r.jsonl").write_text('{"run": 1}\n')
+    (repo / "code.py").write_text("outside the code paths\n")
+    assert files_fingerprint(repo) == commit_fingerprint(repo)
+
+
+def test_a_copy_whose_repository_is_older_than_its_files_is_labelled_by_its_tree(
+    repo: Path,
+) -> None:
+    """As a GPU machine's copy can be: the last landed commit's .git under newer files."""
+    landed = commit_code_change(repo, "a = 1\n")
+    newer = commit_code_change(repo, "a = 2\n")
+    tree = commit_fingerprint(repo, newer)
+    git(repo, "reset", "-q", landed)  # HEAD and index back, the files stay newer's
+    (repo / "benchmarks" / "results" / "r.jsonl").write_text('{"run": 1}\n')
+    assert provenance(repo, {})["commit"].endswith("+dirty")
+    assert provenance(repo, {ENV: newer[:7], TREE_ENV: tree}) == {
+        "commit": newer[:7],
+        "dirty": False,
+        "commit_source": "tree",
+    }
+    (repo / "shoal" / "mod.py").write_text("a = 3\n")  # not newer's code any more
+    with pytest.raises(ProvenanceError, match=TREE_ENV):
+        provenance(repo, {ENV: newer[:7], TREE_ENV: tree})
