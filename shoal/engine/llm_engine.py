@@ -288,6 +288,7 @@ class LLMEngine:
         self._build(model, blocks)
         self._capture_graphs(profile=True)
         self._run_profile_step(prompts)
+        self._load_sampler_kernels()
         profile = measure_kv_budget(
             self.device, self.config.gpu_memory_utilization, blocks * per_block
         )
@@ -322,6 +323,15 @@ class LLMEngine:
             raise RuntimeError("the profile batch did not fit in one step")
         while self.has_unfinished_requests():
             self.step()
+
+    def _load_sampler_kernels(self) -> None:
+        """Sample with every filter and 20 logprobs at 1 row and at 2, as the profile step
+        did at its row count. CUDA loads a kernel on its first launch and the load waits for
+        the device; the sampler's sorts and top-k pick their kernels by row count, the same
+        within each range (1 row, 2 to about 100, the rest: docs/gpu.md), so these two steps
+        and the profile's load every range's."""
+        self._run_profile_step([1])
+        self._run_profile_step([1, 1])
 
     def _take_down(self, model: torch.nn.Module) -> None:
         """Free the runner, its graphs and its KV pool."""

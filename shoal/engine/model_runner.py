@@ -208,11 +208,16 @@ class ModelRunner:
         until the step in flight had ended, and the device then waited for the host: in a
         fresh worker's first burst of 16,384-token steps (Qwen3-0.6B, H200) the LM head
         held the host 20-33 ms a step and the steps took 43-50 ms instead of 35-39 ms
-        (docs/gpu.md). Every rank runs it (the LM head gathers across them)."""
+        (docs/gpu.md). Every rank runs it (the LM head gathers across them).
+
+        The counts go from the largest down, so each step's logits fit in the block the
+        caching allocator kept from the one before; going up, every count asked it for a
+        block larger than any it held, and the pool kept them all (1.4 GiB on Qwen3-0.6B,
+        beyond the memory the KV cache was sized to leave)."""
         hidden = torch.zeros(
             self.max_num_seqs, self.cfg.hidden_size, dtype=self.cfg.dtype, device=self.device
         )
-        for rows in range(1, self.max_num_seqs + 1):
+        for rows in range(self.max_num_seqs, 0, -1):
             self.model.compute_logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
 

@@ -82,8 +82,12 @@ class PiecewiseGraphs:
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        # a prompt alone: its attention metadata, read by the whole graphs' attention
-        self.block_table = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
+        # a prompt alone: its attention metadata, read by the whole graphs' attention. The
+        # capture runs each size's pass as one prompt of that many tokens, which may be
+        # longer than a sequence's blocks hold (max_model_len under WHOLE_MAX_TOKENS): the
+        # table is wide enough for it at any block size (a block holds a token at least)
+        width = max(max_blocks, min(self.sizes[-1], WHOLE_MAX_TOKENS))
+        self.block_table = torch.zeros(1, width, dtype=torch.int32, device=device)
         self.seq_len = torch.zeros(1, dtype=torch.int32, device=device)
         self.query_start = torch.zeros(2, dtype=torch.int32, device=device)
         self.whole: dict[int, torch.cuda.CUDAGraph] = {}

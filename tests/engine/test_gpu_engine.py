@@ -92,6 +92,18 @@ def test_async_scheduling_sampling_equals_sync_on_gpu(llama_dir):
     assert_no_leaks(overlapped)
 
 
+def test_a_context_shorter_than_the_whole_graphs_a_prompt_alone_replays(llama_dir):
+    """With max_model_len under the largest whole graph (a prompt alone, up to 1,024
+    tokens), each whole graph is still captured over a prompt of its own size, longer than
+    a sequence's block table: the capture must not read past the table (it did, and the
+    engine failed to start with an illegal memory access)."""
+    prompts = [prompt[:100] for prompt in PROMPTS]
+    cpu = LLM(str(llama_dir), device="cpu", max_model_len=128)
+    gpu = LLM(str(llama_dir), device="cuda", block_size=8, max_model_len=128)
+    assert max(gpu.engine.runner.mixed_graphs.whole) > 128  # whole graphs past the context
+    assert token_ids(gpu, prompts, greedy(20)) == token_ids(cpu, prompts, greedy(20))
+
+
 def test_a_fresh_engine_has_loaded_the_lm_head_kernel_of_every_row_count(tmp_path):
     """CUDA loads a kernel on its first launch, and the load waits for the device: a step
     sampling a row count not seen before stalled in the LM head until the step in flight
@@ -127,3 +139,78 @@ def test_a_fresh_engine_has_loaded_the_lm_head_kernel_of_every_row_count(tmp_pat
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == "0"
+
+
+def test_a_fresh_engine_has_loaded_the_sampler_kernels_of_every_row_count(tmp_path):
+    """The sampler's sorts and top-k load their kernels by row count, in ranges (1 row, 2
+    to about 100, more); the memory profile samples with every filter and logprobs at 1
+    row, 2 and max_num_seqs, so no sampled step of a fresh engine loads one (CUPTI reports
+    each load; those inside the sampler are counted). In a process of its own."""
+    model = write_model(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32768,
+    )
+    script = f"""
+        import torch
+        from torch.profiler import ProfilerActivity, profile, record_function
+        from shoal import LLM, SamplingParams
+        llm = LLM({str(model)!r}, device="cuda", dtype="bfloat16", max_num_seqs=256,
+                  max_model_len=256, gpu_memory_utilization=0.3)
+        runner = llm.engine.runner
+        sample = runner.sampler.__call__
+        def marked(logits, requests):
+            with record_function("sampler"):
+                return sample(logits, requests)
+        runner.sampler = marked
+        kinds = [
+            SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=2, ignore_eos=True),
+            SamplingParams(temperature=0.7, logprobs=5, max_tokens=2, ignore_eos=True),
+        ]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for rows in (1, 2, 3, 60, 127, 128, 256):
+                for params in kinds:
+                    llm.generate([[7 + i % 300] * 9 for i in range(rows)], params)
+            torch.cuda.synchronize()
+        events = list(prof.events())
+        spans = [e.time_range for e in events if e.name == "sampler"]
+        loads = [e.time_range.start for e in events if e.name == "Lazy Function Loading"]
+        print(sum(any(s.start <= t <= s.end for s in spans) for t in loads))
+    """
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "0"
+
+
+def test_loading_the_lm_head_kernels_leaves_one_block_of_logits_in_the_pool(tmp_path):
+    """The LM head runs at every row count as the engine starts; the caching allocator
+    must not keep a block per count (going up, each count's logits outgrew every block it
+    held): the pool grows by about the largest count's logits, not by their sum. Logits
+    of over 10 MiB (a vocabulary of 64k at 256 rows), which the allocator gives a segment
+    each, rounded to 2 MiB (smaller ones share 20 MiB segments and hide the growth)."""
+    model = write_model(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=65536,
+    )
+    llm = LLM(str(model), device="cuda", dtype="bfloat16", max_num_seqs=256)
+    runner = llm.engine.runner
+    largest = runner.model.compute_logits(
+        torch.ones(256, 512, dtype=torch.bfloat16, device="cuda")
+    ).nbytes
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    runner._load_logit_kernels()
+    grown = torch.cuda.memory_reserved() - before
+    assert grown <= 2 * largest + 2**21, (grown, largest)
