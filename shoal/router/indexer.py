@@ -142,8 +142,9 @@ class KvIndexer:
         self._bits = np.zeros((self._table.id_capacity, 1), np.uint64)  # block id -> mask
         self._held: dict[str, int] = {}  # worker -> blocks it holds here
         self._translators: dict[str, EventTranslator] = {}  # workers publishing vLLM's format
-        # (worker, block) changes not yet in the table and masks: (router hashes, column, held)
-        self._queued: list[tuple[np.ndarray | list[int], int, bool]] = []
+        # (worker, block) changes not yet in the table and masks: (router hashes as u64
+        # bytes, their count, column, held)
+        self._queued: list[tuple[bytes, int, int, bool]] = []
         self._queued_ops = 0
         self.lower: KvIndexer | None = (
             KvIndexer(lower_tiers=False, _columns=self._columns) if lower_tiers else None
@@ -170,9 +171,8 @@ class KvIndexer:
                 self.clear(worker_id)
                 continue
             index = self if event.medium in GPU_MEDIA else self.lower
-            if index is not None:
-                keys = np.frombuffer(event.route_hashes, "<u8")
-                index._change(worker_id, keys, kind is RouteHashesStored)
+            if index is not None and event.route_hashes:
+                index._queue_bytes(worker_id, event.route_hashes, kind is RouteHashesStored)
         if foreign:
             self._apply_changes(worker_id, self._translator(worker_id).translate(foreign))
         self._flush_if_full()
@@ -332,13 +332,18 @@ class KvIndexer:
     def _change(self, worker_id: str, keys: np.ndarray | list[int], held: bool) -> None:
         """Queue that `worker_id` now holds (or no longer holds) these router hashes."""
         if len(keys):
-            self._known(worker_id)
-            self._held[worker_id] += len(keys) if held else -len(keys)
-            self._queue(self._columns.of[worker_id], keys, held)
+            self._queue_bytes(worker_id, _u64(keys).tobytes(), held)
 
-    def _queue(self, column: int, keys: np.ndarray | list[int], held: bool) -> None:
-        self._queued.append((keys, column, held))
-        self._queued_ops += len(keys)
+    def _queue_bytes(self, worker_id: str, keys: bytes, held: bool) -> None:
+        """_change for router hashes as little-endian u64 bytes (as events carry them)."""
+        count = len(keys) >> 3
+        self._known(worker_id)
+        self._held[worker_id] += count if held else -count
+        self._queue(self._columns.of[worker_id], keys, count, held)
+
+    def _queue(self, column: int, keys: bytes, count: int, held: bool) -> None:
+        self._queued.append((keys, count, column, held))
+        self._queued_ops += count
 
     def _flush_if_full(self) -> None:
         if self._queued_ops >= FLUSH_OPS:
@@ -354,7 +359,7 @@ class KvIndexer:
         self.flush()
         ids = self._column_ids(column)
         if len(ids):
-            self._queue(column, self._table.key_of[ids], False)
+            self._queue(column, self._table.key_of[ids].tobytes(), len(ids), False)
             self.flush()
 
     def _column_ids(self, column: int) -> np.ndarray:
@@ -370,14 +375,14 @@ class KvIndexer:
         if not self._queued:
             return
         queued, self._queued, self._queued_ops = self._queued, [], 0
-        lengths = [len(keys) for keys, _, _ in queued]
-        stores = sum(n for n, (_, _, held) in zip(lengths, queued, strict=True) if held)
-        keys = np.concatenate([_u64(keys) for keys, _, _ in queued])
-        cols = np.repeat(np.array([column for _, column, _ in queued], np.int64), lengths)
+        keys_, lengths, columns, helds = zip(*queued, strict=True)
+        keys = np.frombuffer(b"".join(keys_), "<u8")
+        stores = sum(n for n, held in zip(lengths, helds, strict=True) if held)
+        cols = np.repeat(np.array(columns, np.int64), lengths)
         if stores == len(keys):  # stores alone (as while a worker fills its cache)
             sets = None
         else:
-            sets = np.repeat(np.array([held for _, _, held in queued], np.bool_), lengths)
+            sets = np.repeat(np.array(helds, np.bool_), lengths)
             if stores:
                 keys, cols, sets = _net(keys, cols, sets)
         self._fit()
