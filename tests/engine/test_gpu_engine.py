@@ -92,6 +92,19 @@ def test_async_scheduling_sampling_equals_sync_on_gpu(llama_dir):
     assert_no_leaks(overlapped)
 
 
+def wide_model(tmp_path, vocab_size: int):
+    """A model wider than the tiny ones (cuBLAS picks among several kernels for it)."""
+    return write_model(
+        tmp_path / "wide",
+        "llama",
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=vocab_size,
+    )
+
+
 def test_a_context_shorter_than_the_whole_graphs_a_prompt_alone_replays(llama_dir):
     """With max_model_len under the largest whole graph (a prompt alone, up to 1,024
     tokens), each whole graph is still captured over a prompt of its own size, longer than
@@ -111,15 +124,7 @@ def test_a_fresh_engine_has_loaded_the_lm_head_kernel_of_every_row_count(tmp_pat
     loads a kernel afterwards (CUPTI reports each load). In a process of its own: kernels
     loaded by other tests would hide a missing load. A wider model than the tiny ones, so
     that cuBLAS picks among several kernels."""
-    model = write_model(
-        tmp_path / "wide",
-        "llama",
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=32768,
-    )
+    model = wide_model(tmp_path, vocab_size=32768)
     script = f"""
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -146,15 +151,7 @@ def test_a_fresh_engine_has_loaded_the_sampler_kernels_of_every_row_count(tmp_pa
     to about 100, more); the memory profile samples with every filter and logprobs at 1
     row, 2 and max_num_seqs, so no sampled step of a fresh engine loads one (CUPTI reports
     each load; those inside the sampler are counted). In a process of its own."""
-    model = write_model(
-        tmp_path / "wide",
-        "llama",
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=32768,
-    )
+    model = wide_model(tmp_path, vocab_size=32768)
     script = f"""
         import torch
         from torch.profiler import ProfilerActivity, profile, record_function
@@ -194,15 +191,7 @@ def test_loading_the_lm_head_kernels_leaves_one_block_of_logits_in_the_pool(tmp_
     held): the pool grows by about the largest count's logits, not by their sum. Logits
     of over 10 MiB (a vocabulary of 64k at 256 rows), which the allocator gives a segment
     each, rounded to 2 MiB (smaller ones share 20 MiB segments and hide the growth)."""
-    model = write_model(
-        tmp_path / "wide",
-        "llama",
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=65536,
-    )
+    model = wide_model(tmp_path, vocab_size=65536)
     llm = LLM(str(model), device="cuda", dtype="bfloat16", max_num_seqs=256)
     runner = llm.engine.runner
     largest = runner.model.compute_logits(
