@@ -12,6 +12,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from starlette.responses import Response
 
+from shoal.frontend.api_server_metrics import ApiServerMetrics
 from shoal.frontend.engine_client import EngineClient
 from shoal.frontend.errors import install_error_handlers
 from shoal.frontend.hot_routes import OpenAIApp
@@ -155,6 +156,7 @@ def build_app(
     tokenizers: TokenizerPool | None = None,
     parsers: ParserConfig | None = None,
     rehearsal_interval_ms: float = 0.0,
+    api_server_metrics: ApiServerMetrics | None = None,
 ) -> FastAPI:
     """The app: /v1/chat/completions, /v1/completions, /v1/models, /health, /live, /metrics.
 
@@ -167,6 +169,8 @@ def build_app(
     each card's folder on this host). parsers: the tool-call and reasoning parsers.
     rehearsal_interval_ms: while idle, rehearse the latest request's path this often
     (rehearsal.py; 0: never).
+    api_server_metrics: this is one of --api-server-count processes, and /metrics answers
+    with every process's series (api_server_metrics.py).
     """
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1 (got {max_concurrency})")
@@ -214,6 +218,8 @@ def build_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         text, content_type = metrics.render()
+        if api_server_metrics is not None:
+            text = await api_server_metrics.gather(text)
         return Response(text, media_type=content_type)
 
     # The last added is the outermost: metrics see every answer, auth comes before the limits.

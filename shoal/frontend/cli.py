@@ -13,10 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from shoal.flags import Flag, FlagGroup, FlagParser, non_negative_float
+from shoal.frontend.api_server_metrics import ApiServerMetrics
 from shoal.frontend.app import MAX_REQUEST_BODY_BYTES
 from shoal.frontend.disagg_client import DISAGG
 from shoal.frontend.reasoning import REASONING_PARSER_NAMES
@@ -55,8 +57,8 @@ FRONTEND = FlagGroup(
         Flag(
             "api-server-count",
             "frontend processes serving the one HTTP port (SO_REUSEPORT: the kernel spreads "
-            "connections over them), each with its own router; /metrics answers for the "
-            "process that took the connection",
+            "connections over them), each with its own router; /metrics answers for all of "
+            "them, each series labelled `api_server`",
             int,
             1,
         ),
@@ -245,9 +247,13 @@ class ApiServers:
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Run the processes until SIGTERM/SIGINT, `stop`, or one of them exits."""
         args = self.args
-        with reuse_port_socket(args.host, args.port) as held:
+        with (
+            reuse_port_socket(args.host, args.port) as held,
+            tempfile.TemporaryDirectory(prefix="shoal-api-servers-") as metrics_dir,
+        ):
             port = held.getsockname()[1]
             options = {k: v for k, v in vars(args).items() if k != "func"}
+            options["api_server_metrics_dir"] = metrics_dir
             stopping = stop or asyncio.Event()
             exited = None
             loop = asyncio.get_running_loop()
@@ -308,16 +314,20 @@ def api_server_main() -> None:
     options = json.loads(sys.stdin.buffer.readline())
     index = options.pop("api_server_index")
     discovery = options.pop("api_server_discovery")
+    metrics_dir = options.pop("api_server_metrics_dir")
     args = argparse.Namespace(**options)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s api-server-{index} %(name)s %(message)s",
     )
     exit_on_sigterm()
-    event_loop.run(_serve_api_server(args, discovery), args.keep_warm_ms)
+    siblings = ApiServerMetrics(metrics_dir, index, args.api_server_count)
+    event_loop.run(_serve_api_server(args, discovery, siblings), args.keep_warm_ms)
 
 
-async def _serve_api_server(args: argparse.Namespace, discovery: str) -> None:
+async def _serve_api_server(
+    args: argparse.Namespace, discovery: str, siblings: ApiServerMetrics
+) -> None:
     loop = asyncio.get_running_loop()
     orphaned = asyncio.Event()
 
@@ -330,7 +340,7 @@ async def _serve_api_server(args: argparse.Namespace, discovery: str) -> None:
         loop.call_soon_threadsafe(orphaned.set)
 
     threading.Thread(target=wait_for_eof, daemon=True).start()
-    await serve_frontend(args, discovery, orphaned, reuse_port=True)
+    await serve_frontend(args, discovery, orphaned, reuse_port=True, siblings=siblings)
 
 
 async def serve_frontend(
@@ -339,9 +349,11 @@ async def serve_frontend(
     stop: asyncio.Event | None = None,
     *,
     reuse_port: bool = False,
+    siblings: ApiServerMetrics | None = None,
 ) -> None:
     """Run the HTTP server until SIGTERM/SIGINT (or `stop` is set), then drain in-flight
-    requests and stop; reuse_port: share the port with other processes (SO_REUSEPORT)."""
+    requests and stop; reuse_port: share the port with other processes (SO_REUSEPORT);
+    siblings: this is one of --api-server-count processes, whose /metrics answers for all."""
     import uvicorn
     from prometheus_client import CollectorRegistry
 
@@ -358,6 +370,8 @@ async def serve_frontend(
     client = None
     watcher = None
     try:
+        if siblings is not None:
+            await siblings.serve(registry)
         client = workers = await WorkerClient(
             runtime,
             registry=registry,
@@ -376,6 +390,7 @@ async def serve_frontend(
             access_log=args.access_log,
             parsers=parsers,
             rehearsal_interval_ms=args.rehearsal_interval_ms,
+            api_server_metrics=siblings,
             tokenizers=TokenizerPool(
                 WorkerModelFiles(runtime.requests, workers.endpoint.instances)
             ),
@@ -402,6 +417,8 @@ async def serve_frontend(
             watcher.cancel()
         if client is not None:
             await client.close()
+        if siblings is not None:
+            await siblings.close()
         await runtime.close()
 
 

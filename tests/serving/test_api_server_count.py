@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from ports import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import stop_serve
 from tiny_models import ARCHITECTURES, BASE, VOCAB_SIZE, write_tokenizer
 
@@ -80,10 +81,26 @@ def test_two_api_servers_share_the_port_and_the_requests(mock_model, tmp_path):
         counts = _served_by(log)
         assert sum(counts.values()) == REQUESTS, counts
         assert set(counts) == {"api-server-0", "api-server-1"}, counts
+        for _ in range(4):  # whichever process takes the scrape answers for both
+            with httpx.Client(base_url=base, timeout=30) as client:
+                served = _completions_by_process(client.get("/metrics").text)
+            assert served == {f"{i}": counts[f"api-server-{i}"] for i in range(2)}, served
     finally:
         stop_serve(proc)
     # the processes shut down cleanly (a thread blocked on stdin once aborted each at exit)
     assert "Fatal Python error" not in log.read_text()
+
+
+def _completions_by_process(text: str) -> dict[str, float]:
+    """shoal_requests_total of successful completions, per `api_server` label."""
+    return {
+        sample.labels["api_server"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "shoal_requests_total"
+        and sample.labels["endpoint"] == "/v1/completions"
+        and sample.labels["status"] == "200"
+    }
 
 
 def _metric(text: str, name: str) -> float:
