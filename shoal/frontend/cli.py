@@ -355,7 +355,7 @@ async def serve_frontend(
     requests and stop; reuse_port: share the port with other processes (SO_REUSEPORT);
     siblings: this is one of --api-server-count processes, whose /metrics answers for all."""
     import uvicorn
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, ProcessCollector
 
     from shoal.frontend.app import build_app
     from shoal.frontend.disagg_client import disaggregated
@@ -366,6 +366,7 @@ async def serve_frontend(
     options = frontend_router_options(args)
     parsers = parser_config(args)
     registry = CollectorRegistry()
+    ProcessCollector(registry=registry)  # CPU seconds: a process near one core is saturated
     runtime = DistributedRuntime(discovery, **runtime_options(args))
     client = None
     watcher = None

@@ -83,8 +83,10 @@ def test_two_api_servers_share_the_port_and_the_requests(mock_model, tmp_path):
         assert set(counts) == {"api-server-0", "api-server-1"}, counts
         for _ in range(4):  # whichever process takes the scrape answers for both
             with httpx.Client(base_url=base, timeout=30) as client:
-                served = _completions_by_process(client.get("/metrics").text)
+                text = client.get("/metrics").text
+            served = _completions_by_process(text)
             assert served == {f"{i}": counts[f"api-server-{i}"] for i in range(2)}, served
+            assert _cpu_seconds_by_process(text).keys() == {"0", "1"}
     finally:
         stop_serve(proc)
     # the processes shut down cleanly (a thread blocked on stdin once aborted each at exit)
@@ -100,6 +102,16 @@ def _completions_by_process(text: str) -> dict[str, float]:
         if sample.name == "shoal_requests_total"
         and sample.labels["endpoint"] == "/v1/completions"
         and sample.labels["status"] == "200"
+    }
+
+
+def _cpu_seconds_by_process(text: str) -> dict[str, float]:
+    """process_cpu_seconds_total per `api_server` label."""
+    return {
+        sample.labels["api_server"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "process_cpu_seconds_total"
     }
 
 
