@@ -18,8 +18,6 @@ import os
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
 
@@ -31,31 +29,46 @@ def socket_path(folder: str, index: int) -> str:
     return os.path.join(folder, f"api-server-{index}.sock")
 
 
-class _Merged:
-    """A collector over several expositions: every family once, each process's samples
-    labelled with its index."""
+def _families(text: bytes) -> Iterator[tuple[bytes, list[bytes], list[bytes]]]:
+    """(name, its HELP and TYPE lines, its sample lines) per family of an exposition in
+    prometheus_client's text format, where each family starts with its HELP line."""
+    name, header, lines = b"", [], []
+    for line in text.splitlines():
+        if line.startswith(b"# HELP "):
+            if header:
+                yield name, header, lines
+            name, header, lines = line.split(b" ", 3)[2], [line], []
+        elif line.startswith(b"#"):
+            header.append(line)
+        elif line:
+            lines.append(line)
+    if header:
+        yield name, header, lines
 
-    def __init__(self, expositions: dict[int, bytes]) -> None:
-        self.expositions = expositions
 
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for index, text in sorted(self.expositions.items()):
-            for family in text_string_to_metric_families(text.decode()):
-                merged = families.get(family.name)
-                if merged is None:
-                    merged = Metric(family.name, family.documentation, family.type, family.unit)
-                    families[family.name] = merged
-                merged.samples += [
-                    sample._replace(labels={**sample.labels, LABEL: str(index)})
-                    for sample in family.samples
-                ]
-        return iter(families.values())
+def _labelled(line: bytes, label: bytes) -> bytes:
+    """A sample line with `label` (`api_server="i"`) first among its labels. A metric's name
+    holds neither a brace nor a space, so the first of them ends it."""
+    brace, space = line.find(b"{"), line.find(b" ")
+    if 0 <= brace < space:
+        return line[: brace + 1] + label + b"," + line[brace + 1 :]
+    return line[:space] + b"{" + label + b"}" + line[space:]
 
 
 def merge(expositions: dict[int, bytes]) -> bytes:
-    """One exposition of every process's series (index -> its exposition text)."""
-    return generate_latest(_Merged(expositions))
+    """One exposition of every process's series (index -> its exposition text): each family
+    once, each process's samples labelled with its index. Done on the text: through
+    prometheus_client's parser and renderer two processes' 240 lines took 16 ms against
+    0.8 ms this way (dev VM, busy), a stall of every stream on the loop at each scrape."""
+    headers: dict[bytes, list[bytes]] = {}
+    samples: dict[bytes, list[bytes]] = {}
+    for index, text in sorted(expositions.items()):
+        label = b'%s="%d"' % (LABEL.encode(), index)
+        for name, header, lines in _families(text):
+            headers.setdefault(name, header)
+            samples.setdefault(name, []).extend(_labelled(line, label) for line in lines)
+    out = [line for name, header in headers.items() for line in (*header, *samples[name])]
+    return b"\n".join(out) + b"\n"
 
 
 class ApiServerMetrics:

@@ -13,6 +13,7 @@ from shoal.frontend.metrics import FrontendMetrics
 def frontend_metrics(requests: int, seconds: float) -> FrontendMetrics:
     metrics = FrontendMetrics()
     metrics.requests.labels("tiny", "/v1/completions", "200").inc(requests)
+    metrics.requests.labels('a "b" {c} d', "other", "404").inc()  # quotes, braces, spaces
     metrics.request_duration.labels("tiny", "/v1/completions").observe(seconds)
     metrics.for_model("tiny").ttft.observe(seconds / 10)
     metrics.in_flight.set(requests % 2)
@@ -48,7 +49,7 @@ def requests_by_process(text: bytes) -> dict[str, float]:
     return {
         dict(labels)["api_server"]: value
         for (name, labels), value in samples(text).items()
-        if name == "shoal_requests_total"
+        if name == "shoal_requests_total" and dict(labels)["model"] == "tiny"
     }
 
 
