@@ -329,8 +329,9 @@ class LLMEngine:
         did at its row count. CUDA loads a kernel on its first launch and the load waits for
         the device; the sampler's sorts and top-k pick their kernels by row count, the same
         within each range (1 row, 2 to about 100, the rest: docs/gpu.md), so these two steps
-        and the profile's load every range's (a step holds max_num_seqs rows at most)."""
-        for rows in range(1, min(2, self.config.max_num_seqs) + 1):
+        and the profile's load every range's (as many of the two as one step can hold)."""
+        config = self.config
+        for rows in range(1, min(2, config.max_num_seqs, config.max_num_batched_tokens) + 1):
             self._run_profile_step([1] * rows)
 
     def _take_down(self, model: torch.nn.Module) -> None:

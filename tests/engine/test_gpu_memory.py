@@ -119,16 +119,22 @@ def test_largest_steps_stay_under_the_utilization(tmp_path, shape):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("max_seqs", [1, 2])
-def test_the_profiles_sampled_steps_fit_max_num_seqs(llama_dir, max_seqs):
+@pytest.mark.parametrize(("max_seqs", "max_tokens"), [(1, 64), (2, 1), (2, 64)])
+def test_the_profiles_sampled_steps_fit_one_step(llama_dir, max_seqs, max_tokens):
     """After its largest step the memory profile samples at 1 row and at 2 (the sampler's
-    kernels load by row-count range); an engine that takes one sequence a step runs only
-    the first (the other could not be one step). Run on the CPU engine: the steps are the
-    same there."""
-    engine = LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", max_num_seqs=max_seqs))
+    kernels load by row-count range); an engine whose step holds one sequence or one token
+    runs only the first (the other could not be one step). Run on the CPU engine: the
+    steps are the same there."""
+    config = EngineConfig(
+        model=str(llama_dir),
+        device="cpu",
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max_tokens,
+    )
+    engine = LLMEngine(config)
     steps = []
     run_step = engine._run_profile_step
     engine._run_profile_step = lambda lengths: steps.append(lengths) or run_step(lengths)
     engine._load_sampler_kernels()
-    assert steps == [[1], [1, 1]][:max_seqs]
+    assert steps == [[1], [1, 1]][: min(max_seqs, max_tokens)]
     assert not engine.has_unfinished_requests()
