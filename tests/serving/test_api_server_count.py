@@ -84,34 +84,23 @@ def test_two_api_servers_share_the_port_and_the_requests(mock_model, tmp_path):
         for _ in range(4):  # whichever process takes the scrape answers for both
             with httpx.Client(base_url=base, timeout=30) as client:
                 text = client.get("/metrics").text
-            served = _completions_by_process(text)
+            completions = {"endpoint": "/v1/completions", "status": "200"}
+            served = _by_process(text, "shoal_requests_total", **completions)
             assert served == {f"{i}": counts[f"api-server-{i}"] for i in range(2)}, served
-            assert _cpu_seconds_by_process(text).keys() == {"0", "1"}
+            assert _by_process(text, "process_cpu_seconds_total").keys() == {"0", "1"}
     finally:
         stop_serve(proc)
     # the processes shut down cleanly (a thread blocked on stdin once aborted each at exit)
     assert "Fatal Python error" not in log.read_text()
 
 
-def _completions_by_process(text: str) -> dict[str, float]:
-    """shoal_requests_total of successful completions, per `api_server` label."""
+def _by_process(text: str, name: str, **labels: str) -> dict[str, float]:
+    """The samples called `name` (with these labels), per `api_server` label."""
     return {
         sample.labels["api_server"]: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == "shoal_requests_total"
-        and sample.labels["endpoint"] == "/v1/completions"
-        and sample.labels["status"] == "200"
-    }
-
-
-def _cpu_seconds_by_process(text: str) -> dict[str, float]:
-    """process_cpu_seconds_total per `api_server` label."""
-    return {
-        sample.labels["api_server"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "process_cpu_seconds_total"
+        if sample.name == name and labels.items() <= sample.labels.items()
     }
 
 
