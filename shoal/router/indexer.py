@@ -100,6 +100,11 @@ def _u64(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.frombuffer(array("Q", hashes), np.uint64)
 
 
+def _le_bytes(hashes: np.ndarray) -> bytes:
+    """u64 hashes as the little-endian bytes events carry them in (the queue's form)."""
+    return hashes.astype("<u8", copy=False).tobytes()
+
+
 def _masks(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each column's word and bit in a mask row."""
     return columns >> 6, np.left_shift(np.uint64(1), (columns & 63).astype(np.uint64))
@@ -332,7 +337,7 @@ class KvIndexer:
     def _change(self, worker_id: str, keys: np.ndarray | list[int], held: bool) -> None:
         """Queue that `worker_id` now holds (or no longer holds) these router hashes."""
         if len(keys):
-            self._queue_bytes(worker_id, _u64(keys).tobytes(), held)
+            self._queue_bytes(worker_id, _le_bytes(_u64(keys)), held)
 
     def _queue_bytes(self, worker_id: str, keys: bytes, held: bool) -> None:
         """_change for router hashes as little-endian u64 bytes (as events carry them)."""
@@ -359,7 +364,7 @@ class KvIndexer:
         self.flush()
         ids = self._column_ids(column)
         if len(ids):
-            self._queue(column, self._table.key_of[ids].tobytes(), len(ids), False)
+            self._queue(column, _le_bytes(self._table.key_of[ids]), len(ids), False)
             self.flush()
 
     def _column_ids(self, column: int) -> np.ndarray:
@@ -375,8 +380,8 @@ class KvIndexer:
         if not self._queued:
             return
         queued, self._queued, self._queued_ops = self._queued, [], 0
-        keys_, lengths, columns, helds = zip(*queued, strict=True)
-        keys = np.frombuffer(b"".join(keys_), "<u8")
+        chunks, lengths, columns, helds = zip(*queued, strict=True)
+        keys = np.frombuffer(b"".join(chunks), "<u8")
         stores = sum(n for n, held in zip(lengths, helds, strict=True) if held)
         cols = np.repeat(np.array(columns, np.int64), lengths)
         if stores == len(keys):  # stores alone (as while a worker fills its cache)
