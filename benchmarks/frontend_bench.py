@@ -374,21 +374,26 @@ async def ceiling(port: int, args: argparse.Namespace, deployment: Deployment) -
     """--concurrency streams for --duration s: tokens/s delivered and CPU per process."""
     request = request_bytes(port, args.max_tokens, args.prompt_words)
     tokens = events = 0
+    ttft: list[float] = []
     stop_at = 0.0
 
     async def client() -> None:
         nonlocal tokens, events
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         while time.perf_counter() < stop_at:
-            got, sse = await stream_once(reader, writer, request, None)
+            times: list[float] = []
+            start = time.perf_counter()
+            got, sse = await stream_once(reader, writer, request, times)
             if time.perf_counter() <= stop_at:
                 tokens += got
                 events += sse
+                ttft.append(times[0] - start)
         writer.close()
 
     stop_at = time.perf_counter() + args.warmup_s
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     tokens = events = 0
+    ttft.clear()
     before, client_before = deployment.cpu(), time.process_time()
     start = time.perf_counter()
     stop_at = start + args.duration
@@ -407,6 +412,8 @@ async def ceiling(port: int, args: argparse.Namespace, deployment: Deployment) -
         "client_cpu_s": client_cpu,
         "frontend_tokens_per_cpu_s": tokens / max(cpu["frontend"], 1e-9),
         "frontend_events_per_cpu_s": events / max(cpu["frontend"], 1e-9),
+        "streams_measured": len(ttft),
+        "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else None,
     }
 
 

@@ -52,8 +52,8 @@ T = TypeVar("T")
 
 DEFAULT_WINDOW = 256  # responses in flight per stream; credit goes back every half window
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
-# Readers a message wakes per turn of the loop: at ~40 us of frontend work per streamed
-# token, about 1.3 ms between two reads of the sockets at full load.
+# Readers woken per turn of the loop, over every connection: at ~40 us of frontend work per
+# streamed token, about 1.3 ms between two reads of the sockets at full load.
 WAKES_PER_TURN = 32
 
 
@@ -83,6 +83,7 @@ class ResponseStream(Generic[T]):
         "_owned",
         "_owner",
         "_owner_callback",
+        "_queued",
         "_rid",
         "_timer",
         "_unacked",
@@ -119,6 +120,7 @@ class ResponseStream(Generic[T]):
         self._owner_callback: Callable[[asyncio.Task[Any]], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._wait_start = 0.0
+        self._queued = False  # in the client's queue of readers to wake
         self.started = False  # a response has arrived
 
     def __aiter__(self) -> ResponseStream[T]:
@@ -256,6 +258,54 @@ def _cancel_stream(ref: weakref.ref[ResponseStream[Any]], _task: asyncio.Task[An
         stream.cancel()
 
 
+class _Wakes:
+    """The readers that messages have given responses, woken WAKES_PER_TURN in each turn of
+    the loop over every connection, those of new streams first.
+
+    A message is a step's outputs for every stream of its connection, and the loop runs
+    the readers in the order they are woken. A new request's first token comes last in
+    its message (schedulers put running requests first); woken first, it starts its
+    response without waiting behind every running stream's next token. Between turns the
+    loop reads its sockets, so a request arriving meanwhile is taken in after one turn's
+    readers rather than after all of them. A reader is queued once however many messages
+    reach it before its turn (it then takes all their responses), and only readers that
+    wait count against a turn, so when the frontend falls behind, messages arriving
+    meanwhile do not lengthen the turns: the next request still waits one turn.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: collections.deque[ResponseStream[Any]] = collections.deque()
+        self.scheduled = False
+
+    def add(self, fresh: list[ResponseStream[Any]], running: list[ResponseStream[Any]]) -> None:
+        queue = self.queue
+        for stream in reversed(fresh):
+            if not stream._queued:
+                stream._queued = True
+                queue.appendleft(stream)
+        for stream in running:
+            if not stream._queued:
+                stream._queued = True
+                queue.append(stream)
+        if not self.scheduled:
+            self.turn()
+
+    def turn(self) -> None:
+        """Wake the next WAKES_PER_TURN waiting readers; the rest in later turns."""
+        queue = self.queue
+        woken = 0
+        while queue and woken < WAKES_PER_TURN:
+            stream = queue.popleft()
+            stream._queued = False
+            if stream._waiter is not None:
+                stream._wake()
+                woken += 1
+        self.scheduled = bool(queue)
+        if self.scheduled:
+            self.loop.call_soon(self.turn)
+
+
 class _Connection:
     """One TCP connection to one worker, multiplexing streams by request id."""
 
@@ -267,6 +317,7 @@ class _Connection:
         self.link = FrameConnection(address, self._on_frames, self.lose)
         self.decode_frame = decoder(ServerFrame).decode
         self.signer = client.signer
+        self.wakes = client.wakes(self.loop)
         self.streams: dict[int, ResponseStream[Any]] = {}
         self.cancelling: set[int] = set()
         self.next_rid = 0
@@ -385,16 +436,8 @@ class _Connection:
                 stream._finish(error)
 
     def _batch(self, rids: list[int], payloads: list[msgspec.Raw]) -> None:
-        """One message's responses: each is queued on its stream, then the readers are woken,
-        those of new streams first, WAKES_PER_TURN in each turn of the loop.
-
-        A batch is a step's outputs for every stream of this connection, and the loop runs
-        the readers in the order they are woken. A new request's first token comes last in
-        the batch (schedulers put running requests first); woken first, it starts its
-        response without waiting behind every running stream's next token. Between turns
-        the loop reads its sockets, so a request arriving meanwhile is taken in after one
-        turn's readers rather than after all of them.
-        """
+        """One message's responses: each is queued on its stream, and the streams go to the
+        client's readers to wake (new streams first)."""
         fresh: list[ResponseStream[Any]] = []
         running: list[ResponseStream[Any]] = []
         for rid, payload in zip(rids, payloads, strict=True):
@@ -402,15 +445,7 @@ class _Connection:
             if stream is not None:
                 (running if stream.started else fresh).append(stream)
                 stream._hold(payload)
-        fresh += running
-        self._wake_in_turns(fresh, 0)
-
-    def _wake_in_turns(self, readers: list[ResponseStream[Any]], first: int) -> None:
-        end = first + WAKES_PER_TURN
-        for stream in readers[first:end]:
-            stream._wake()
-        if end < len(readers):
-            self.loop.call_soon(self._wake_in_turns, readers, end)
+        self.wakes.add(fresh, running)
 
     def _data(self, rid: int, payload: bytes | msgspec.Raw) -> None:
         """One response of stream `rid`."""
@@ -470,6 +505,13 @@ class RequestClient:
         self.dead_after = dead_after
         self.signer = make_signer(secret)
         self._conns: dict[str, _Connection] = {}
+        self._wakes: _Wakes | None = None
+
+    def wakes(self, loop: asyncio.AbstractEventLoop) -> _Wakes:
+        """The readers to wake, shared by every connection on `loop`."""
+        if self._wakes is None or self._wakes.loop is not loop:
+            self._wakes = _Wakes(loop)
+        return self._wakes
 
     def stream(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import pickle
 import signal
 import struct
@@ -42,7 +43,7 @@ from shoal.runtime import (
     RequestServer,
     WorkerLostError,
 )
-from shoal.runtime.request_client import WAKES_PER_TURN
+from shoal.runtime.request_client import WAKES_PER_TURN, _Wakes
 
 
 def request(rid: str = "r", max_tokens: int = 10) -> EngineRequest:
@@ -520,6 +521,43 @@ def test_a_large_message_wakes_its_readers_over_several_loop_turns() -> None:
         assert [r for r in seen if r != "other"] == [f"r{i}" for i in range(count)]
         await client.close()
         await server.stop()
+
+    run(main())
+
+
+class _Reader:
+    """A stream's side that `_Wakes` sees: a reader waiting (or not) to be woken."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+        self._queued = False
+        self._waiter: object | None = object()
+
+    def _wake(self) -> None:
+        self._waiter = None
+        self.log.append(self.name)
+
+
+def test_messages_arriving_while_readers_wait_their_turn_do_not_lengthen_the_turns() -> None:
+    async def main() -> None:
+        woken: list[str] = []
+        wakes = _Wakes(asyncio.get_running_loop())
+        running = [_Reader(f"r{i}", woken) for i in range(3 * WAKES_PER_TURN)]
+        names = [r.name for r in running]
+        wakes.add([], running)  # a message: the first turn's readers are woken at once
+        assert woken == names[:WAKES_PER_TURN]
+        for reader in running[:WAKES_PER_TURN]:
+            reader._waiter = object()  # they ran and wait again
+        wakes.add([_Reader("new", woken)], running)  # the next message, before the others ran
+        assert len(wakes.queue) == 1 + len(running)  # a reader is queued once
+        turns = [len(woken)]
+        while wakes.scheduled:
+            await asyncio.sleep(0)
+            turns.append(len(woken))
+        assert max(b - a for a, b in itertools.pairwise(turns)) == WAKES_PER_TURN
+        first = names[:WAKES_PER_TURN]
+        assert woken == [*first, "new", *names[WAKES_PER_TURN:], *first]
 
     run(main())
 
