@@ -26,9 +26,11 @@ path's figures less those.
 ceiling: --concurrency streams for --duration seconds with --step-ms 0: the tokens/s one
 frontend process (or N) delivers to clients, with the CPU seconds each process used (from
 /proc), so the frontend's tokens per CPU-second say what it would reach on a core of its
-own. It also counts SSE events: a stream's tokens that reach the frontend together share
-an event, so tokens per event show how far behind the frontend ran (with --step-ms 10 and
-hundreds of streams, each step's token is its own event while the frontend keeps up).
+own, and the TTFT p50 of the streams started in those seconds (with --step-ms above 0, how
+long a new request waits behind a frontend that has fallen behind). It also counts SSE
+events: a stream's tokens that reach the frontend together share an event, so tokens per
+event show how far behind the frontend ran (with --step-ms 10 and hundreds of streams,
+each step's token is its own event while the frontend keeps up).
 burst: --concurrency requests (default 256, as serving_bench.py opens) sent at once on
 connections opened before, each a --prompt-words prompt (default 512) for one token, with
 1 ms mocker steps, --rounds times after one burst not measured: how soon the burst's first
