@@ -551,6 +551,7 @@ def test_messages_arriving_while_readers_wait_their_turn_do_not_lengthen_the_tur
             reader._waiter = object()  # they ran and wait again
         wakes.add([_Reader("new", woken)], running)  # the next message, before the others ran
         assert len(wakes.queue) == 1 + len(running)  # a reader is queued once
+        assert len(woken) == WAKES_PER_TURN  # this turn is spent: the message waits for the next
         turns = [len(woken)]
         while wakes.scheduled:
             await asyncio.sleep(0)
