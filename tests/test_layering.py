@@ -1,4 +1,5 @@
-"""Layering: the commands that run no engine import no torch."""
+"""Layering: the commands that run no engine import no torch, and none loads numba (the KV
+router's compiled table) before a kv router is built."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import contextlib, io, sys
 import shoal.cli
 with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
     shoal.cli.main({argv!r})
-heavy = sorted(m for m in ("torch", "triton", "safetensors") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "triton", "safetensors", "numba") if m in sys.modules)
 print(",".join(heavy) or "none")
 """
 
@@ -41,6 +42,6 @@ def test_commands_without_an_engine_import_no_torch(argv):
 
 def test_importing_shoal_and_the_frontend_loads_no_torch():
     code = "import sys, shoal, shoal.frontend, shoal.router, shoal.bench\n"
-    code += "print('torch' in sys.modules)"
+    code += "print('torch' in sys.modules or 'numba' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

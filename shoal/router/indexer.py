@@ -8,7 +8,7 @@ shoal.route_events itself), which are queued as they come; any other worker's ev
 BlockStored's token ids and reads BlockRemoved events through its map of engine hashes.
 
 Router hashes are chained, so one hash names its block and its whole prefix: the index is a
-flat table from hash to block id (shoal.router.block_table, numpy), and per block id a bit
+flat table from hash to block id (shoal.router.block_table), and per block id a bit
 mask of the workers holding it (one bit per worker, shared by every block: a block costs
 one row of W/64 words however many workers hold it). A lookup finds the ids of all the
 prompt's blocks in one vectorised pass, gathers their masks and ANDs them cumulatively:
@@ -18,10 +18,10 @@ cost per call would dominate, is looked up in Python instead (BlockTable.leading
 its masks ANDed as Python ints.
 
 The (worker, block) pairs that start or stop being held are queued, a batch of keys at a
-time, and applied to the table and the masks in one vectorised pass before any lookup, or
-once FLUSH_OPS pairs wait, so numpy's cost per call is paid per thousands of blocks rather
-than per event (a lookup pays for what is queued: the larger FLUSH_OPS, the fewer numpy
-calls per block and the more a lookup may wait).
+time, and applied in order to the table and the masks by one compiled loop
+(table_kernels.apply_changes) before any lookup, or once FLUSH_OPS pairs wait (a lookup
+pays for what is queued: the larger FLUSH_OPS, the fewer calls per block and the more a
+lookup may wait).
 
 Blocks in GPU memory are indexed here; blocks in a worker's lower tiers (events with
 `medium` CPU or DISK, shoal.engine.kv_offload) go to a second index of the same kind,
@@ -47,11 +47,11 @@ from shoal.protocol import (
     RouteHashesStored,
 )
 from shoal.route_events import Change, EventTranslator
+from shoal.router import table_kernels
 from shoal.router.block_table import BlockTable
 
 FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a lookup
 SHORT_PROMPT_BLOCKS = 96  # prompts up to this many blocks are looked up without numpy
-_PAIR_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: a column's multiple is its own
 _DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
 
 
@@ -103,11 +103,6 @@ def _u64(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
 def _le_bytes(hashes: np.ndarray) -> bytes:
     """u64 hashes as the little-endian bytes events carry them in (the queue's form)."""
     return hashes.astype("<u8", copy=False).tobytes()
-
-
-def _masks(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each column's word and bit in a mask row."""
-    return columns >> 6, np.left_shift(np.uint64(1), (columns & 63).astype(np.uint64))
 
 
 def _leading(words: list[np.ndarray], columns: _Columns) -> dict[str, int]:
@@ -375,58 +370,35 @@ class KvIndexer:
         return np.flatnonzero(self._bits[:, word] & bit)
 
     def flush(self) -> None:
-        """Apply the queued (worker, block) changes to the table and the masks at once
+        """Apply the queued (worker, block) changes to the table and the masks, in order
         (lookups do it first)."""
         if not self._queued:
             return
         queued, self._queued, self._queued_ops = self._queued, [], 0
         chunks, lengths, columns, helds = zip(*queued, strict=True)
         keys = np.frombuffer(b"".join(chunks), "<u8")
-        stores = sum(n for n, held in zip(lengths, helds, strict=True) if held)
-        cols = np.repeat(np.array(columns, np.int64), lengths)
-        if stores == len(keys):  # stores alone (as while a worker fills its cache)
-            sets = None
-        else:
-            sets = np.repeat(np.array(helds, np.bool_), lengths)
-            if stores:
-                keys, cols, sets = _net(keys, cols, sets)
+        self._table.reserve(sum(n for n, held in zip(lengths, helds, strict=True) if held))
         self._fit()
-        if sets is None or sets.any():
-            on = keys if sets is None else keys[sets]
-            ids = self._table.add(on)
-            self._fit()
-            self._change_bits(ids, *_masks(cols if sets is None else cols[sets]), np.bitwise_or)
-        if sets is not None and not sets.all():
-            off = None if not stores else ~sets  # removals alone: all of them
-            ids = self._table.ids(keys if off is None else keys[off])
-            cols = cols if off is None else cols[off]
-            words, bits = _masks(cols)
-            held = ids >= 0
-            held[held] = (self._bits[ids[held], words[held]] & bits[held]) != 0
-            if not held.all():  # pairs not held (a worker's stray removal): counted back
-                self._count_back(cols[~held])
-                ids, words, bits = ids[held], words[held], bits[held]
-            self._change_bits(ids, words, ~bits, np.bitwise_and)
-            dead = ids[~self._bits[ids].any(axis=1)]  # an id may come more than once
-            if len(dead):
-                self._table.remove(dead)
+        strays = np.zeros(64 * self._bits.shape[1], np.int64)
+        table_kernels.apply_changes(
+            keys,
+            np.repeat(np.array(columns, np.int64), lengths),
+            np.repeat(np.array(helds, np.bool_), lengths),
+            self._bits,
+            strays,
+            *self._table.arrays,
+        )
+        if strays.any():
+            self._count_back(strays)
 
-    def _change_bits(
-        self, ids: np.ndarray, words: np.ndarray, bits: np.ndarray, op: np.ufunc
-    ) -> None:
-        """bits[id, word] = op(bits[id, word], bit) for each triple (ids may repeat)."""
-        if self._bits.shape[1] == 1:  # 64 workers or fewer: one word per block
-            op.at(self._bits.reshape(-1), ids, bits)
-        else:
-            op.at(self._bits, (ids, words), bits)
-
-    def _count_back(self, columns: np.ndarray) -> None:
-        """Undo the queue's count of removals that removed nothing, per worker."""
+    def _count_back(self, strays: np.ndarray) -> None:
+        """Undo the queue's count of the changes that changed nothing (strays per column:
+        table_kernels.apply_changes), per worker."""
         names = self._columns.names
-        for column, count in zip(*np.unique(columns, return_counts=True), strict=True):
+        for column in np.flatnonzero(strays).tolist():
             worker = names[column]
             if worker in self._held:
-                self._held[worker] += int(count)
+                self._held[worker] += int(strays[column])
 
     def _fit(self) -> None:
         """Grow the mask matrix to every id the table hands out and every worker's column."""
@@ -445,29 +417,3 @@ class KvIndexer:
         width = min(words, self._bits.shape[1])
         rows[known, :width] = self._bits[ids[known], :width]
         return rows
-
-
-def _net(keys: np.ndarray, cols: np.ndarray, sets: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The net change of each (block, worker) pair in a queue of changes, in queue order.
-
-    A pair's changes alternate (held, not held, held...): it ends changed only if its
-    first and last changes agree (both held: it was not held before; both not: it was).
-    Pairs are grouped by one 64-bit value each (the key, its bits flipped by the column's
-    odd multiple), sorted unstably, which numpy does several times faster than sorting on
-    key and column; a group's first and last change are its lowest and highest positions.
-    Two pairs sharing a value are told apart by their keys (an equal key and value mean
-    an equal column); should that ever happen, the pairs are sorted on both instead."""
-    pair = keys ^ (cols.astype(np.uint64) * _PAIR_MIX)
-    order = np.argsort(pair)
-    pair = pair[order]
-    new = pair[1:] != pair[:-1]
-    grouped = np.take(keys, order)
-    if ((grouped[1:] != grouped[:-1]) > new).any():  # two pairs with one value
-        order = np.lexsort((cols, keys))
-        grouped, paired = np.take(keys, order), np.take(cols, order)
-        new = (grouped[1:] != grouped[:-1]) | (paired[1:] != paired[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], new)))
-    first = np.minimum.reduceat(order, starts)
-    last = np.maximum.reduceat(order, starts)
-    kept = np.sort(last[np.take(sets, first) == np.take(sets, last)])
-    return keys[kept], cols[kept], sets[kept]

@@ -40,6 +40,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -55,9 +56,7 @@ from shoal.protocol import (
     LoadDelta,
     LoadReport,
 )
-from shoal.router.approx import ApproxIndexer
 from shoal.router.busy import AllWorkersBusy
-from shoal.router.indexer import KvIndexer
 from shoal.router.load import LoadTracker
 from shoal.router.metrics import RouterMetrics
 from shoal.router.policies import Policy
@@ -67,6 +66,10 @@ from shoal.router.selector import KvRouterConfig, free_workers, select_worker, s
 from shoal.runtime.distributed import DistributedRuntime
 from shoal.runtime.endpoint_client import EndpointClient
 from shoal.runtime.event_plane import EventSubscriber
+
+if TYPE_CHECKING:
+    from shoal.router.approx import ApproxIndexer
+    from shoal.router.indexer import KvIndexer
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,10 @@ class KvRouter(Policy):
         self.runtime = runtime
         self.config = config or KvRouterConfig()
         self.use_kv_events = use_kv_events
+        # imported here: the indexes' compiled table (numba) loads only for a kv router
+        from shoal.router.approx import ApproxIndexer
+        from shoal.router.indexer import KvIndexer
+
         self.indexer: KvIndexer | ApproxIndexer = (
             KvIndexer() if use_kv_events else ApproxIndexer(self.config.approx_ttl)
         )
@@ -193,7 +200,7 @@ class KvRouter(Policy):
             if record.card is not None:
                 self.load.block_size = record.card.kv_block_size
                 self.load.set_capacity(worker, record.card.num_kv_blocks)
-                if isinstance(self.indexer, ApproxIndexer):
+                if not self.use_kv_events:  # the ApproxIndexer
                     self.indexer.set_capacity(worker, record.card.num_kv_blocks)
             if feed.address is None:
                 log.warning("worker %s publishes no KV events or load", worker)
@@ -299,7 +306,7 @@ class KvRouter(Policy):
                     self._guess_slots(request_id, [(w, *load_on(w)) for w in others])
                 else:
                     self._guess_peers(request_id, worker, blocks, new_tokens, chance)
-        if isinstance(self.indexer, ApproxIndexer):
+        if not self.use_kv_events:  # the ApproxIndexer
             self.indexer.record(worker, hashes.tolist(), prompt_blocks)
         m = self.metrics
         m.routed.inc()
@@ -369,7 +376,7 @@ class KvRouter(Policy):
 
     def _lower_tier_overlaps(self, hashes: np.ndarray, overlaps: dict[str, int]) -> dict[str, int]:
         """Per worker whose lower tiers extend its GPU prefix hit, its prefix in all tiers."""
-        if not self.lower_tier_credit or not isinstance(self.indexer, KvIndexer):
+        if not self.lower_tier_credit or not self.use_kv_events:
             return {}
         return self.indexer.tiered_overlaps(hashes, overlaps)
 

@@ -1,4 +1,4 @@
-"""The numpy index at scale: the block table against a dict, and random event batches over
+"""The index at scale: the block table against a dict, and random event batches over
 more than 64 workers (several mask words), with engine names unrelated to the router's hash
 (one content under several names), lower tiers, removals, clears and workers leaving and
 coming back, checked against a plain per-worker model after every batch: the events as an
@@ -7,6 +7,7 @@ them (translated by the worker, over the wire), whose dumps rebuild the same ind
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -16,7 +17,7 @@ from overlap_reference import leading_overlaps
 from shoal.kv_hash import route_hashes
 from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from shoal.route_events import EventTranslator, as_route_events, held_events
-from shoal.router import block_table, indexer
+from shoal.router import block_table, indexer, table_kernels
 from shoal.router.block_table import BlockTable
 from shoal.router.indexer import KvIndexer
 from shoal.runtime.codec import ENCODER, decoder
@@ -30,11 +31,11 @@ def hash_blocks(tokens, block_size, parent=None) -> list[int]:
     return route_hashes(tokens, block_size, parent=parent).tolist()
 
 
-def test_block_table_matches_a_dict_through_growth_and_tombstones():
+def test_block_table_matches_a_dict_through_growth_and_removals():
     """Batches of keys, new and known, each possibly several times, then removals (an id
     possibly twice): the table hands out ids as a dict would (a known key keeps its id, a
     key new to the batch gets one id however often it comes, held by no other key), through
-    rehashes and the tombstones removals leave."""
+    rehashes and the keys removals shift back."""
     rng = np.random.default_rng(3)
     table, truth = BlockTable(), {}
     for _ in range(30):
@@ -56,7 +57,9 @@ def test_block_table_matches_a_dict_through_growth_and_tombstones():
         for k in gone.tolist():
             del truth[k]
         assert table.live == len(truth)
-        assert len(table._free) == len(set(table._free))
+        freed = table._ring().tolist()
+        assert len(set(freed)) == len(freed) and not set(freed) & set(truth.values())
+        assert_probes_intact(table)
         probe = np.concatenate([np.array(list(truth), np.uint64), gone])
         expected = [truth.get(k, -1) for k in probe.tolist()]
         assert table.ids(probe).tolist() == expected
@@ -64,11 +67,9 @@ def test_block_table_matches_a_dict_through_growth_and_tombstones():
     assert table.id_capacity < 4 * len(truth)  # freed ids are reused
 
 
-@pytest.mark.parametrize("few", [0, 10**9])  # every key placed by numpy, or by Python
-def test_small_key_spaces_with_many_repeats_match_a_dict(monkeypatch, few):
+def test_small_key_spaces_with_many_repeats_match_a_dict():
     """Keys drawn from a few hundred, so most batches repeat keys, add known ones and take
-    back tombstones: both ways of probing and placing the last keys hand out a dict's ids."""
-    monkeypatch.setattr(block_table, "_FEW", few)
+    back freed ids: the table hands out a dict's ids."""
     for seed in range(20):
         rng = np.random.default_rng(seed)
         table, truth = BlockTable(), {}
@@ -106,29 +107,12 @@ def test_a_rehash_keeps_keys_whose_probes_wrap_past_the_last_slot():
     keys = np.array(
         [(((h << shift) + i + 1) * inverse) % 2**64 for i, h in enumerate(homes)], np.uint64
     )
-    assert table._home(keys).tolist() == homes
+    assert home_slots(table, keys) == homes
     ids = table.add(keys)
     table._rehash(table.live)
     assert len(table._keys) == slots
     assert table.ids(keys).tolist() == ids.tolist() == list(range(len(keys)))
     assert table.leading_ids_short(keys.tolist()) == list(range(len(keys)))
-
-
-def test_a_key_added_again_takes_the_tombstone_it_passes():
-    """Keys homed in pairs fill two slots each: removing the key at each pair's home slot
-    leaves a tombstone (the other key's probe passes it), which the key takes back when
-    added again (its freed id too), with no new slot used."""
-    table = BlockTable()
-    homes = [h for h in range(0, 2000, 4) for _ in range(2)]
-    keys = keys_homed_at(table, homes)
-    ids = table.add(keys)
-    used = table._used
-    at_home = np.take(table._slot_of, ids) == np.array(homes)
-    table.remove(ids[at_home])
-    assert table.tombstones == len(keys) // 2
-    assert table.add(keys[at_home]).tolist() == ids[at_home].tolist()  # the freed ids again
-    assert table._used == used and table.tombstones == 0
-    assert table.ids(keys).tolist() == table.add(keys).tolist() == ids.tolist()
 
 
 def keys_homed_at(table: BlockTable, homes: list[int]) -> np.ndarray:
@@ -139,64 +123,112 @@ def keys_homed_at(table: BlockTable, homes: list[int]) -> np.ndarray:
     return np.array(keys, np.uint64)
 
 
-def test_a_removal_that_ends_its_cluster_leaves_no_tombstone():
-    """Three keys homed at one slot fill it and the next two: removing the middle one
-    leaves a tombstone (the last key's probe passes it); removing the last empties its
-    slot and then the tombstone before it, and the first key is still found."""
+def home_slots(table: BlockTable, keys: np.ndarray) -> list[int]:
+    shift = 64 - (len(table._keys).bit_length() - 1)
+    return [((k * 0x9E3779B97F4A7C15) % 2**64) >> shift for k in keys.tolist()]
+
+
+def assert_probes_intact(table: BlockTable) -> None:
+    """Every live key sits at its home or after it with no empty slot between (a probe
+    from its home finds it), and the id -> slot and id -> key maps agree with the slots."""
+    slots = len(table._keys)
+    live = np.flatnonzero(table._ids != block_table.EMPTY)
+    assert len(live) == table.live
+    ids = table._ids[live]
+    assert table._slot_of[ids].tolist() == live.tolist()
+    assert table.key_of[ids].tolist() == table._keys[live].tolist()
+    empty = table._ids == block_table.EMPTY
+    for slot, home in zip(live.tolist(), home_slots(table, table._keys[live]), strict=True):
+        passed = [(home + i) % slots for i in range((slot - home) % slots)]
+        assert not empty[passed].any(), f"slot {slot} unreachable from its home {home}"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_removals_shift_back_the_keys_after_them_even_across_the_end(seed):
+    """Keys crowded onto a few home slots, some at the table's end (their clusters run on
+    from slot 0), added and removed at random: every key stays reachable from its home, no
+    slot of a removed key is left taken, and the table answers as a dict would."""
+    rng = random.Random(seed)
     table = BlockTable()
-    home = 100
-    keys = keys_homed_at(table, [home] * 3)
-    ids = table.add(keys)
-    assert table._ids[home : home + 3].tolist() == ids.tolist()
-    table.remove(ids[1:2])
-    assert table._ids[home + 1] == block_table.GONE and table.tombstones == 1
-    assert table.ids(keys).tolist() == [ids[0], -1, ids[2]]
-    table.remove(ids[2:3])
-    assert table._ids[home + 1 : home + 3].tolist() == [block_table.EMPTY] * 2
-    assert table.live == 1 and table.tombstones == 0
-    assert table.ids(keys).tolist() == [ids[0], -1, -1]
-    again = table.add(keys[1:])
-    assert table._ids[home + 1 : home + 3].tolist() == again.tolist()
-    assert table.ids(keys).tolist() == [ids[0], *again.tolist()]
+    slots = len(table._keys)
+    homes = [rng.choice([slots - 3, slots - 1, 0, 2, 50, 51]) for _ in range(300)]
+    space = keys_homed_at(table, homes)
+    truth: dict[int, int] = {}
+    for _ in range(40):
+        keys = space[[rng.randrange(len(space)) for _ in range(rng.randrange(1, 60))]]
+        for key, got in zip(keys.tolist(), table.add(keys).tolist(), strict=True):
+            assert truth.setdefault(key, got) == got
+        gone = space[[rng.randrange(len(space)) for _ in range(rng.randrange(1, 60))]]
+        table.remove(table.ids(gone)[table.ids(gone) >= 0])
+        for key in set(gone.tolist()):
+            truth.pop(key, None)
+        assert len(table._keys) == slots  # no rehash: the probes run through the clusters
+        assert_probes_intact(table)
+        assert table.ids(space).tolist() == [truth.get(k, -1) for k in space.tolist()]
+        assert table.leading_ids_short(space.tolist()[:20]) == [
+            truth[k] for k in itertools.takewhile(truth.__contains__, space.tolist()[:20])
+        ]
 
 
-def net_of_queue(keys: list[int], cols: list[int], sets: list[bool]) -> list[tuple]:
-    """The (key, column, held) changes a queue nets to, in the order of each pair's last
-    change, by replaying it on a set of held pairs (every removal of a pair held before)."""
-    first: dict[tuple[int, int], bool] = {}
-    last: dict[tuple[int, int], tuple[int, bool]] = {}
-    for position, (key, col, held) in enumerate(zip(keys, cols, sets, strict=True)):
-        first.setdefault((key, col), held)
-        last[(key, col)] = position, held
-    changed = [(pos, pair, held) for pair, (pos, held) in last.items() if first[pair] == held]
-    return [(*pair, held) for _, pair, held in sorted(changed)]
+def replay(changes: list[tuple[int, int, bool]], start: int) -> tuple[set, dict[int, int]]:
+    """The (key, column) pairs held after these changes in order, and per column the changes
+    from `start` on that changed nothing (+1 a removal of a pair not held, -1 a store of a
+    pair held)."""
+    held: set[tuple[int, int]] = set()
+    strays: dict[int, int] = {}
+    for position, (key, column, now) in enumerate(changes):
+        if now == ((key, column) in held):
+            if position >= start:
+                strays[column] = strays.get(column, 0) + (-1 if now else 1)
+        elif now:
+            held.add((key, column))
+        else:
+            held.discard((key, column))
+    return held, strays
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_queue_nets_to_each_pairs_change_in_order(seed):
-    """Random queues of stores and removals over few keys and columns, with pairs that
-    share one grouping value (key ^ column * mix) in half of them: the net change of each
-    pair, in the order of its last change, as replaying the queue gives."""
+def test_a_queue_of_changes_applies_in_order(seed):
+    """Random queues of stores and removals over few keys and columns on both sides of a
+    mask word (stores of held pairs, removals of pairs never stored): the pairs held after
+    them, the blocks left in the table (those some column holds) and the changes counted as
+    changing nothing are those of replaying the queue in order."""
     rng = random.Random(seed)
-    mix = int(indexer._PAIR_MIX)
-    base = [rng.getrandbits(64) for _ in range(12)]
-    colliding = [k ^ ((1 * mix) % 2**64) ^ ((2 * mix) % 2**64) for k in base[:3]]
-    space = [(k, c) for k in base for c in range(4)]
-    if seed % 2:  # (k, 1) and (k ^ mix ^ 2 mix, 2) share a value
-        space += [(k, 2) for k in colliding]
-    pairs = [rng.choice(space) for _ in range(400)]
-    held: set[tuple[int, int]] = set()
-    keys, cols, sets = [], [], []
-    for pair in pairs:  # alternate each pair's changes, as a worker's events do
-        now = pair not in held
-        held.symmetric_difference_update({pair})
-        keys.append(pair[0])
-        cols.append(pair[1])
-        sets.append(now)
-    got = indexer._net(
-        np.array(keys, np.uint64), np.array(cols, np.int64), np.array(sets, np.bool_)
-    )
-    assert list(zip(*(a.tolist() for a in got), strict=True)) == net_of_queue(keys, cols, sets)
+    space = [rng.getrandbits(64) for _ in range(12)]
+    columns = [0, 1, 63, 64, 70]
+    table = BlockTable()
+    bits = np.zeros((table.id_capacity, 2), np.uint64)
+    changes: list[tuple[int, int, bool]] = []
+    for _ in range(5):
+        queue = [(rng.choice(space), rng.choice(columns), rng.random() < 0.6) for _ in range(300)]
+        changes += queue
+        keys, cols, sets = (list(x) for x in zip(*queue, strict=True))
+        table.reserve(len(queue))
+        bits = np.vstack([bits, np.zeros((table.id_capacity - len(bits), 2), np.uint64)])
+        strays = np.zeros(128, np.int64)
+        table_kernels.apply_changes(
+            np.array(keys, np.uint64),
+            np.array(cols, np.int64),
+            np.array(sets, np.bool_),
+            bits,
+            strays,
+            *table.arrays,
+        )
+        held, expected_strays = replay(changes, len(changes) - len(queue))
+        assert {c: n for c, n in enumerate(strays.tolist()) if n} == {
+            c: n for c, n in expected_strays.items() if n
+        }
+        ids = table.ids(np.array(space, np.uint64)).tolist()
+        got = {
+            (key, column)
+            for key, block in zip(space, ids, strict=True)
+            if block >= 0
+            for column in columns
+            if int(bits[block, column >> 6]) >> (column & 63) & 1
+        }
+        assert got == held
+        assert {k for k, b in zip(space, ids, strict=True) if b >= 0} == {k for k, _ in held}
+        assert_probes_intact(table)
 
 
 def test_leading_ids_guess_consecutive_ids_and_look_up_the_rest():
@@ -248,8 +280,8 @@ def test_leading_ids_never_guess_a_freed_id():
     table = BlockTable()
     ids = table.add(keys)
     assert ids.tolist() == list(range(200))
-    table.remove(ids[[150, 151]])
-    assert table.add(keys[150:151]).tolist() == [151]  # the last id freed is handed out first
+    table.remove(ids[[151, 150]])
+    assert table.add(keys[150:151]).tolist() == [151]  # the oldest id freed is handed out first
     assert table.leading_ids(keys).tolist() == [*range(150), 151]
 
 
