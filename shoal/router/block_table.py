@@ -11,7 +11,18 @@ from __future__ import annotations
 import numpy as np
 
 from shoal.router import table_kernels as kernels
-from shoal.router.table_kernels import EMPTY, FREE_COUNT, LIVE, MASK, NEXT, SHIFT, STATE_FIELDS
+from shoal.router.table_kernels import (
+    EMPTY,
+    FREE_COUNT,
+    ID,
+    KEY,
+    LIVE,
+    MASK,
+    NEXT,
+    SHIFT,
+    STATE_FIELDS,
+    empty_slots,
+)
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIN_SLOTS = 1 << 12
@@ -60,11 +71,11 @@ class BlockTable:
     @property
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The table as table_kernels' functions take it (table_kernels.TABLE)."""
-        return self._keys, self._ids, self.key_of, self._slot_of, self._free, self._state
+        return self._slots, self.key_of, self._slot_of, self._free, self._state
 
     def reserve(self, n: int) -> None:
         """Make room for `n` more keys: the kernels never grow the arrays themselves."""
-        if (self.live + n) > _MAX_LOAD * len(self._keys):
+        if (self.live + n) > _MAX_LOAD * len(self._slots):
             self._rehash(self.live + n)
         needed = self._next + max(0, n - int(self._state[FREE_COUNT]))
         if needed > len(self.key_of):
@@ -77,7 +88,7 @@ class BlockTable:
     def ids(self, keys: np.ndarray) -> np.ndarray:
         """The id of each key, -1 where the key is absent."""
         out = np.empty(len(keys), np.int64)
-        kernels.lookup(keys, out, self._keys, self._ids, self._state)
+        kernels.lookup(keys, out, self._slots, self._state)
         return out
 
     def add(self, keys: np.ndarray) -> np.ndarray:
@@ -160,10 +171,11 @@ class BlockTable:
 
     def _id_of_key(self, key: int) -> int:
         """The id of one key, -1 if absent (in Python: a kernel call costs more for one)."""
-        ids, keys, mask = memoryview(self._ids), memoryview(self._keys), int(self._state[MASK])
+        slots, mask = memoryview(self._slots.reshape(-1)), int(self._state[MASK])
+        bits = key - (1 << 64) if key >> 63 else key  # as the slots hold it (int64)
         slot = ((key * _GOLDEN) & _U64) >> int(self._state[SHIFT])
-        while (block := ids[slot]) != EMPTY:
-            if keys[slot] == key:
+        while (block := slots[2 * slot + ID]) != EMPTY:
+            if slots[2 * slot + KEY] == bits:
                 return block
             slot = (slot + 1) & mask
         return -1
@@ -174,13 +186,12 @@ class BlockTable:
         return np.roll(self._free, -head)[:count]
 
     def _reset_slots(self, slots: int) -> None:
-        self._keys = np.zeros(slots, np.uint64)
-        self._ids = np.full(slots, EMPTY, np.int32)
+        self._slots = empty_slots(slots)
         self._state[MASK] = slots - 1
         self._state[SHIFT] = 65 - slots.bit_length()  # the top log2(slots) bits
 
     def _rehash(self, live: int) -> None:
         """Rebuild the slots for `live` keys, at most a quarter full."""
-        old_keys, old_ids = self._keys, self._ids
+        old = self._slots
         self._reset_slots(max(_MIN_SLOTS, 1 << (4 * live).bit_length()))
-        kernels.rehash(old_keys, old_ids, self._keys, self._ids, self._slot_of, self._state)
+        kernels.rehash(old, self._slots, self._slot_of, self._state)

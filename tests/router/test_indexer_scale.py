@@ -100,7 +100,7 @@ def test_a_rehash_keeps_keys_whose_probes_wrap_past_the_last_slot():
     """Keys whose home slots are the table's last ones: after a rehash into as many slots,
     those placed past the end go on from slot 0, ahead of the keys homed there."""
     table = BlockTable()
-    slots = len(table._keys)
+    slots = len(table._slots)
     inverse = pow(0x9E3779B97F4A7C15, -1, 2**64)  # a key whose scrambled top bits are `home`
     homes = [slots - 1] * 5 + [slots - 2] * 3 + [0, 1]
     shift = 64 - (slots.bit_length() - 1)
@@ -110,7 +110,7 @@ def test_a_rehash_keeps_keys_whose_probes_wrap_past_the_last_slot():
     assert home_slots(table, keys) == homes
     ids = table.add(keys)
     table._rehash(table.live)
-    assert len(table._keys) == slots
+    assert len(table._slots) == slots
     assert table.ids(keys).tolist() == ids.tolist() == list(range(len(keys)))
     assert table.leading_ids_short(keys.tolist()) == list(range(len(keys)))
 
@@ -118,27 +118,27 @@ def test_a_rehash_keeps_keys_whose_probes_wrap_past_the_last_slot():
 def keys_homed_at(table: BlockTable, homes: list[int]) -> np.ndarray:
     """Distinct keys whose home slots in `table` are `homes`."""
     inverse = pow(0x9E3779B97F4A7C15, -1, 2**64)  # a key whose scrambled top bits are `home`
-    shift = 64 - (len(table._keys).bit_length() - 1)
+    shift = 64 - (len(table._slots).bit_length() - 1)
     keys = [(((h << shift) + i + 1) * inverse) % 2**64 for i, h in enumerate(homes)]
     return np.array(keys, np.uint64)
 
 
 def home_slots(table: BlockTable, keys: np.ndarray) -> list[int]:
-    shift = 64 - (len(table._keys).bit_length() - 1)
+    shift = 64 - (len(table._slots).bit_length() - 1)
     return [((k * 0x9E3779B97F4A7C15) % 2**64) >> shift for k in keys.tolist()]
 
 
 def assert_probes_intact(table: BlockTable) -> None:
     """Every live key sits at its home or after it with no empty slot between (a probe
     from its home finds it), and the id -> slot and id -> key maps agree with the slots."""
-    slots = len(table._keys)
-    live = np.flatnonzero(table._ids != block_table.EMPTY)
+    slots = len(table._slots)
+    keys, ids = table._slots[:, 0].view(np.uint64), table._slots[:, 1]
+    live = np.flatnonzero(ids != block_table.EMPTY)
     assert len(live) == table.live
-    ids = table._ids[live]
-    assert table._slot_of[ids].tolist() == live.tolist()
-    assert table.key_of[ids].tolist() == table._keys[live].tolist()
-    empty = table._ids == block_table.EMPTY
-    for slot, home in zip(live.tolist(), home_slots(table, table._keys[live]), strict=True):
+    assert table._slot_of[ids[live]].tolist() == live.tolist()
+    assert table.key_of[ids[live]].tolist() == keys[live].tolist()
+    empty = ids == block_table.EMPTY
+    for slot, home in zip(live.tolist(), home_slots(table, keys[live]), strict=True):
         passed = [(home + i) % slots for i in range((slot - home) % slots)]
         assert not empty[passed].any(), f"slot {slot} unreachable from its home {home}"
 
@@ -150,7 +150,7 @@ def test_removals_shift_back_the_keys_after_them_even_across_the_end(seed):
     slot of a removed key is left taken, and the table answers as a dict would."""
     rng = random.Random(seed)
     table = BlockTable()
-    slots = len(table._keys)
+    slots = len(table._slots)
     homes = [rng.choice([slots - 3, slots - 1, 0, 2, 50, 51]) for _ in range(300)]
     space = keys_homed_at(table, homes)
     truth: dict[int, int] = {}
@@ -162,7 +162,7 @@ def test_removals_shift_back_the_keys_after_them_even_across_the_end(seed):
         table.remove(table.ids(gone)[table.ids(gone) >= 0])
         for key in set(gone.tolist()):
             truth.pop(key, None)
-        assert len(table._keys) == slots  # no rehash: the probes run through the clusters
+        assert len(table._slots) == slots  # no rehash: the probes run through the clusters
         assert_probes_intact(table)
         assert table.ids(space).tolist() == [truth.get(k, -1) for k in space.tolist()]
         assert table.leading_ids_short(space.tolist()[:20]) == [
