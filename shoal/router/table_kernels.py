@@ -17,8 +17,8 @@ A probe's slot is a cache miss in a table of millions of keys, and a loop that p
 key after another waits for each miss in turn. So the loops over keys first read the home
 slots of the next READ_AHEAD keys (the sum they return stands for those reads, so that
 they are kept), and the misses overlap: 42 against 166 ns a new key at 1.5M keys (dev VM).
-The functions are compiled on import (cached on disk by numba), for the argument types the
-callers use.
+The functions are compiled on import (cached on disk by numba where it can write), for the
+argument types the callers use.
 """
 
 from __future__ import annotations
@@ -36,7 +36,16 @@ TABLE = ("slots", "key_of", "slot_of", "free", "state")
 KEY, ID = 0, 1  # a slot's two columns
 
 READ_AHEAD = 64  # keys whose home slots are read before they are probed in turn
-_jit = nb.njit(cache=True, nogil=True, boundscheck=False)
+
+
+def _jit(function):
+    """numba.njit, cached on disk where numba finds a writable place for its cache (next to
+    this file, or the user's cache folder); where it finds none (a read-only install with
+    no writable home), compiled in each process instead."""
+    try:
+        return nb.njit(cache=True, nogil=True, boundscheck=False)(function)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return nb.njit(nogil=True, boundscheck=False)(function)
 
 
 @_jit

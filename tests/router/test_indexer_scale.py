@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -472,3 +474,23 @@ def test_long_and_short_prompts_at_staggered_depths(monkeypatch):
     assert index.overlaps(chain[:100]) == {w: min(d, 100) for w, d in expected.items()}
     index.remove("w69", [("engine", 69, 250)])
     assert index.overlaps(chain)["w69"] == 250
+
+
+def test_the_table_works_where_numba_can_cache_nothing():
+    """A read-only install with no writable home: numba finds no place for its cache, and
+    the kernels are compiled in the process instead of failing the import."""
+    code = (
+        "import numba.core.caching as c\n"
+        "impl = getattr(c, 'CacheImpl', None) or c._CacheImpl\n"  # its name by numba version
+        "impl._locator_classes = []\n"  # numba: no locator available
+        "import numpy as np\n"
+        "from shoal.router.block_table import BlockTable\n"
+        "t = BlockTable()\n"
+        "keys = np.frombuffer(np.arange(1, 5000, dtype=np.uint64).tobytes(), np.uint64)\n"
+        "ids = t.add(keys)\n"
+        "t.remove(ids[::2])\n"
+        "print(t.ids(keys[:4]).tolist(), t.live)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[-1,", "1,", "-1,", "3]", "2499"]
