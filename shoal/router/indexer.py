@@ -51,6 +51,9 @@ from shoal.router import table_kernels
 from shoal.router.block_table import BlockTable
 
 FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a lookup
+# queued changes past which a flush waits for the table's growth in a thread to end (events
+# far faster than a growth: the queue and the next growth stay bounded)
+MAX_DEFERRED_OPS = 1 << 18
 SHORT_PROMPT_BLOCKS = 96  # prompts up to this many blocks are looked up without numpy
 _DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
 
@@ -146,6 +149,7 @@ class KvIndexer:
         # bytes, their count, column, held)
         self._queued: list[tuple[bytes, int, int, bool]] = []
         self._queued_ops = 0
+        self._queued_stores = 0
         self.lower: KvIndexer | None = (
             KvIndexer(lower_tiers=False, _columns=self._columns) if lower_tiers else None
         )
@@ -230,7 +234,7 @@ class KvIndexer:
         in one pass; the masks of the leading blocks the index knows are ANDed cumulatively
         and each worker's overlap is where its bit drops out.
         """
-        self.flush()
+        self.flush(wait=False)
         if not len(block_hashes) or not self._table.live:
             return {}
         if len(block_hashes) <= SHORT_PROMPT_BLOCKS:
@@ -272,8 +276,8 @@ class KvIndexer:
         lower = self.lower
         if lower is None or not len(block_hashes):
             return {}
-        self.flush()
-        lower.flush()
+        self.flush(wait=False)
+        lower.flush(wait=False)
         if not lower._table.live:
             return {}
         keys = _u64(block_hashes)
@@ -344,12 +348,14 @@ class KvIndexer:
     def _queue(self, column: int, keys: bytes, count: int, held: bool) -> None:
         self._queued.append((keys, count, column, held))
         self._queued_ops += count
+        if held:
+            self._queued_stores += count
 
     def _flush_if_full(self) -> None:
         if self._queued_ops >= FLUSH_OPS:
-            self.flush()
+            self.flush(wait=False)
         if self.lower is not None and self.lower._queued_ops >= FLUSH_OPS:
-            self.lower.flush()
+            self.lower.flush(wait=False)
 
     def _forget(self, worker_id: str) -> None:
         """Clear the worker's bit from every block and forget it here."""
@@ -369,15 +375,21 @@ class KvIndexer:
             return np.zeros(0, np.intp)
         return np.flatnonzero(self._bits[:, word] & bit)
 
-    def flush(self) -> None:
-        """Apply the queued (worker, block) changes to the table and the masks, in order
-        (lookups do it first)."""
+    def flush(self, wait: bool = True) -> None:
+        """Apply the queued (worker, block) changes to the table and the masks, in order.
+
+        Lookups and full queues flush with `wait` False: while the table grows its slots in
+        a thread (BlockTable.reserve), the changes stay queued and lookups read the index as
+        it was, a stale answer for the growth's tens of milliseconds rather than a loop held
+        for them (up to MAX_DEFERRED_OPS queued changes)."""
         if not self._queued:
             return
-        queued, self._queued, self._queued_ops = self._queued, [], 0
+        wait = wait or self._queued_ops >= MAX_DEFERRED_OPS
+        if not self._table.reserve(self._queued_stores, wait):
+            return
+        queued, self._queued, self._queued_ops, self._queued_stores = self._queued, [], 0, 0
         chunks, lengths, columns, helds = zip(*queued, strict=True)
         keys = np.frombuffer(b"".join(chunks), "<u8")
-        self._table.reserve(sum(n for n, held in zip(lengths, helds, strict=True) if held))
         self._fit()
         strays = np.zeros(64 * self._bits.shape[1], np.int64)
         table_kernels.apply_changes(

@@ -11,6 +11,7 @@ import itertools
 import random
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -494,3 +495,55 @@ def test_the_table_works_where_numba_can_cache_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[-1,", "1,", "-1,", "3]", "2499"]
+
+
+def test_a_large_table_grows_in_a_thread_and_is_read_as_it_was_meanwhile(monkeypatch):
+    """Past GROW_IN_THREAD_KEYS keys, reserve(wait=False) starts the larger slots in a thread
+    and says no room yet; lookups meanwhile read the old slots; the next reserve takes the
+    new ones, with every key where a probe finds it."""
+    monkeypatch.setattr(block_table, "GROW_IN_THREAD_KEYS", 100)
+    gate = threading.Event()
+    run = block_table._Growth.run
+    monkeypatch.setattr(block_table._Growth, "run", lambda self: (gate.wait(60), run(self)))
+    table = BlockTable()
+    slots = len(table._slots)
+    keys = np.random.default_rng(2).integers(0, 2**64, 1600, np.uint64)
+    ids = table.add(keys)  # 1,600 of 4,096 slots: 1,800 would pass the 0.4 load
+    assert table.reserve(200, wait=False) is False
+    assert table.growing and len(table._slots) == slots
+    assert table.ids(keys).tolist() == ids.tolist()
+    assert table.leading_ids_short(keys[:5].tolist()) == ids[:5].tolist()
+    assert table.reserve(200, wait=False) is False  # still building
+    gate.set()
+    assert table.reserve(200, wait=True) is True
+    assert not table.growing and len(table._slots) == 2 * slots
+    assert table.ids(keys).tolist() == ids.tolist()
+    assert_probes_intact(table)
+    more = np.random.default_rng(3).integers(0, 2**64, 200, np.uint64)
+    assert table.add(more).tolist() == list(range(1600, 1800))
+
+
+def test_an_index_growing_in_a_thread_answers_from_before_the_queued_events(monkeypatch):
+    """While the table grows in a thread, stores stay queued: a lookup sees the blocks
+    stored before, a full flush waits for the growth and applies them, in order."""
+    monkeypatch.setattr(block_table, "GROW_IN_THREAD_KEYS", 100)
+    monkeypatch.setattr(indexer, "FLUSH_OPS", 64)
+    gate = threading.Event()
+    run = block_table._Growth.run
+    monkeypatch.setattr(block_table._Growth, "run", lambda self: (gate.wait(60), run(self)))
+    index = KvIndexer(lower_tiers=False)
+    rng = random.Random(4)
+    old = hash_blocks([rng.randrange(1000) for _ in range(1600 * BLOCK)], BLOCK)
+    index.store("a", old)
+    assert index.overlaps(old) == {"a": 1600}  # 1,600 keys: the next 200 need larger slots
+    new = hash_blocks([rng.randrange(1000) for _ in range(200 * BLOCK)], BLOCK)
+    index.store("b", new)  # full queues flush without waiting: the growth starts
+    index.remove("a", old[:10])
+    assert index._table.growing
+    assert index.overlaps(new) == {} and index.overlaps(old) == {"a": 1600}
+    gate.set()
+    index.flush()
+    assert not index._table.growing
+    assert index.overlaps(new) == {"b": 200} and index.overlaps(old) == {}
+    assert index.overlaps(old[10:]) == {"a": 1590}
+    assert index.num_blocks("a") == 1590 and index.num_distinct_blocks() == 1790
