@@ -5,11 +5,13 @@ add, find and remove keys are compiled (shoal.router.table_kernels), a call per 
 keys. A removal shifts the keys after it back, so no tombstones pile up, and freed ids are
 handed out again (oldest first), so ids stay below the peak number of keys.
 
-A table past GROW_IN_THREAD_KEYS keys may build its larger slots in a thread (reserve with
-`wait` False): the new slots' first touch is the costly part of a growth (page faults: 7-9
-us a 4 KiB page on the VMs measured, 0.1-0.4 s for a table of 1-2M keys), and np.full and
-the rehash kernel let go of the GIL, so the event loop goes on meanwhile, reading the table
-as it was.
+A table past GROW_IN_THREAD_KEYS keys prepares and builds its larger slots in threads: the
+new slots' first touch is the costly part of a growth (page faults: 7-9 us a 4 KiB page on
+the VMs measured, 0.1-0.4 s for a table of 1-2M keys), so a thread fills them with empty
+slots once the table is _PREPARE_LOAD full (they are held from then on, twice the table's
+slots), and at _MAX_LOAD another rehashes the keys into them (reserve with `wait` False).
+Filling and the rehash kernel let go of the GIL: the event loop goes on meanwhile, reading
+the table as it was.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from shoal.router.table_kernels import (
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIN_SLOTS = 1 << 12
 _MAX_LOAD = 0.4  # keys per slot above which the slots are doubled (and more)
-GROW_IN_THREAD_KEYS = 1 << 16  # from this many keys, reserve(wait=False) grows in a thread
+_PREPARE_LOAD = 0.3  # keys per slot from which the next slots are prepared in a thread
+GROW_IN_THREAD_KEYS = 1 << 16  # from this many keys, slots are prepared and grown in threads
 _STRIDE = 32  # leading_ids: one key in this many is looked up in the slots
 _U64 = (1 << 64) - 1
 
@@ -50,26 +53,49 @@ def _slots_for(live: int) -> int:
     return max(_MIN_SLOTS, 1 << (4 * live).bit_length())
 
 
-class _Growth(threading.Thread):
-    """Larger slots for a table's keys, built beside the event loop. The table must not
-    change until it ends: the rehash reads its slots and writes its id -> slot map."""
+class _EmptySlots(threading.Thread):
+    """`size` empty slots: allocated here, from the loop thread's malloc arena (where freed
+    slots are reused most), and first touched in the thread."""
 
-    def __init__(self, old: np.ndarray, slot_of: np.ndarray, state: np.ndarray, live: int):
+    def __init__(self, size: int) -> None:
+        super().__init__(name="shoal-block-table-slots", daemon=True)
+        self.slots = np.empty((size, 2), np.int64)
+        self.start()
+
+    def run(self) -> None:
+        self.slots.fill(EMPTY)  # every slot's id EMPTY (the keys are never read there)
+
+
+class _Growth(threading.Thread):
+    """Larger slots for a table's keys, built beside the event loop (into `spare`, when it
+    has the size). The table must not change until it ends: the rehash reads its slots and
+    writes its id -> slot map."""
+
+    def __init__(
+        self,
+        old: np.ndarray,
+        slot_of: np.ndarray,
+        state: np.ndarray,
+        live: int,
+        spare: _EmptySlots | None,
+    ) -> None:
         super().__init__(name="shoal-block-table-growth", daemon=True)
         self.old, self.slot_of = old, slot_of
-        self.size = _slots_for(live)
+        size = _slots_for(live)
         self.state = state.copy()
-        self.state[MASK] = self.size - 1
-        self.state[SHIFT] = 65 - self.size.bit_length()
-        # allocated here, from the loop thread's malloc arena (where freed slots are reused
-        # most), and first touched in the thread
-        self.slots = np.empty((self.size, 2), np.int64)
+        self.state[MASK] = size - 1
+        self.state[SHIFT] = 65 - size.bit_length()
+        self.empty = spare if spare is not None and len(spare.slots) == size else None
+        self.slots = self.empty.slots if self.empty is not None else np.empty((size, 2), np.int64)
         self.error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
         try:
-            self.slots.fill(EMPTY)  # every slot's id EMPTY
+            if self.empty is not None:
+                self.empty.join()
+            else:
+                self.slots.fill(EMPTY)
             kernels.rehash(self.old, self.slots, self.slot_of, self.state)
         except BaseException as e:  # raised where the table takes the slots
             self.error = e
@@ -87,11 +113,12 @@ class BlockTable:
 
     def __init__(self) -> None:
         self._state = np.zeros(STATE_FIELDS, np.int64)
-        self._reset_slots(_MIN_SLOTS)
+        self._use_slots(empty_slots(_MIN_SLOTS))
         self.key_of = np.zeros(_MIN_SLOTS // 2, np.uint64)  # block id -> its block hash
         self._slot_of = np.full(_MIN_SLOTS // 2, -1, np.int64)  # block id -> its slot; -1: free
         self._free = np.zeros(_MIN_SLOTS // 2, np.int64)  # a ring of freed ids, oldest first
         self._growth: _Growth | None = None  # larger slots being built in a thread
+        self._spare: _EmptySlots | None = None  # empty slots for the next growth
 
     @property
     def live(self) -> int:
@@ -126,7 +153,10 @@ class BlockTable:
             if wait or self.live < GROW_IN_THREAD_KEYS:
                 self._rehash(self.live + n)
             else:
-                self._growth = _Growth(self._slots, self._slot_of, self._state, self.live + n)
+                self._growth = _Growth(
+                    self._slots, self._slot_of, self._state, self.live + n, self._spare
+                )
+                self._spare = None
                 return False
         needed = self._next + max(0, n - int(self._state[FREE_COUNT]))
         if needed > len(self.key_of):
@@ -135,6 +165,10 @@ class BlockTable:
             self._slot_of = _grown(self._slot_of, size, fill=-1)
             self._free = _grown(self._ring(), size)
             self._state[kernels.FREE_HEAD] = 0
+        if self._spare is None and self.live + n >= max(
+            GROW_IN_THREAD_KEYS, _PREPARE_LOAD * len(self._slots)
+        ):
+            self._spare = _EmptySlots(2 * len(self._slots))  # what the next growth makes
         return True
 
     @property
@@ -243,15 +277,21 @@ class BlockTable:
         head, count = int(self._state[kernels.FREE_HEAD]), int(self._state[FREE_COUNT])
         return np.roll(self._free, -head)[:count]
 
-    def _reset_slots(self, slots: int) -> None:
-        self._slots = empty_slots(slots)
-        self._state[MASK] = slots - 1
-        self._state[SHIFT] = 65 - slots.bit_length()  # the top log2(slots) bits
+    def _use_slots(self, slots: np.ndarray) -> None:
+        self._slots = slots
+        self._state[MASK] = len(slots) - 1
+        self._state[SHIFT] = 65 - len(slots).bit_length()  # the top log2(slots) bits
 
     def _rehash(self, live: int) -> None:
-        """Rebuild the slots for `live` keys, at most a quarter full."""
-        old = self._slots
-        self._reset_slots(_slots_for(live))
+        """Rebuild the slots for `live` keys, at most a quarter full (into the spare slots,
+        when they have the size)."""
+        old, spare, self._spare = self._slots, self._spare, None
+        size = _slots_for(live)
+        if spare is not None and len(spare.slots) == size:
+            spare.join()
+            self._use_slots(spare.slots)
+        else:
+            self._use_slots(empty_slots(size))
         kernels.rehash(old, self._slots, self._slot_of, self._state)
 
     def _take_growth(self) -> None:
@@ -260,5 +300,4 @@ class BlockTable:
         growth.join()
         if growth.error is not None:
             raise growth.error
-        self._slots = growth.slots
-        self._state[MASK], self._state[SHIFT] = growth.state[MASK], growth.state[SHIFT]
+        self._use_slots(growth.slots)

@@ -498,9 +498,10 @@ def test_the_table_works_where_numba_can_cache_nothing():
 
 
 def test_a_large_table_grows_in_a_thread_and_is_read_as_it_was_meanwhile(monkeypatch):
-    """Past GROW_IN_THREAD_KEYS keys, reserve(wait=False) starts the larger slots in a thread
-    and says no room yet; lookups meanwhile read the old slots; the next reserve takes the
-    new ones, with every key where a probe finds it."""
+    """Past GROW_IN_THREAD_KEYS keys, a table 0.3 full has a thread prepare twice its slots,
+    empty; at 0.4, reserve(wait=False) rehashes into them in a thread and says no room yet;
+    lookups meanwhile read the old slots; the next reserve takes the new ones, with every key
+    where a probe finds it."""
     monkeypatch.setattr(block_table, "GROW_IN_THREAD_KEYS", 100)
     gate = threading.Event()
     run = block_table._Growth.run
@@ -509,6 +510,8 @@ def test_a_large_table_grows_in_a_thread_and_is_read_as_it_was_meanwhile(monkeyp
     slots = len(table._slots)
     keys = np.random.default_rng(2).integers(0, 2**64, 1600, np.uint64)
     ids = table.add(keys)  # 1,600 of 4,096 slots: 1,800 would pass the 0.4 load
+    spare = table._spare.slots
+    assert spare.shape == (2 * slots, 2)
     assert table.reserve(200, wait=False) is False
     assert table.growing and len(table._slots) == slots
     assert table.ids(keys).tolist() == ids.tolist()
@@ -516,7 +519,7 @@ def test_a_large_table_grows_in_a_thread_and_is_read_as_it_was_meanwhile(monkeyp
     assert table.reserve(200, wait=False) is False  # still building
     gate.set()
     assert table.reserve(200, wait=True) is True
-    assert not table.growing and len(table._slots) == 2 * slots
+    assert not table.growing and table._slots is spare
     assert table.ids(keys).tolist() == ids.tolist()
     assert_probes_intact(table)
     more = np.random.default_rng(3).integers(0, 2**64, 200, np.uint64)
@@ -547,3 +550,17 @@ def test_an_index_growing_in_a_thread_answers_from_before_the_queued_events(monk
     assert index.overlaps(new) == {"b": 200} and index.overlaps(old) == {}
     assert index.overlaps(old[10:]) == {"a": 1590}
     assert index.num_blocks("a") == 1590 and index.num_distinct_blocks() == 1790
+
+
+def test_a_growth_on_the_loop_takes_the_slots_a_thread_prepared(monkeypatch):
+    """add() grows the table where it is called (it waits): into the empty slots a thread
+    prepared from 0.3 full, when they have the size."""
+    monkeypatch.setattr(block_table, "GROW_IN_THREAD_KEYS", 100)
+    table = BlockTable()
+    keys = np.random.default_rng(6).integers(0, 2**64, 1800, np.uint64)
+    first = table.add(keys[:1300])  # past 0.3 of 4,096 slots
+    spare = table._spare.slots
+    rest = table.add(keys[1300:])  # past 0.4: a rehash, here
+    assert table._slots is spare and table._spare is None
+    assert table.ids(keys).tolist() == [*first.tolist(), *rest.tolist()] == list(range(1800))
+    assert_probes_intact(table)
