@@ -24,9 +24,12 @@ in vLLM's format (BlockStored with token ids, which the router translates) and i
 translates is recorded too), with the bytes per block on the wire; and after them the
 turnover of a full cache (a tenth of the index: the oldest copies evicted, each followed by
 a new prefix stored, so stores and removals share every flush and the blocks are new).
-The block table (hash -> id) is last timed alone turning over three times its size, a
+The block table (hash -> id) is then timed alone turning over three times its size, a
 flush's worth of evictions and new blocks a step: nanoseconds per key operation over the
-whole run and its slowest step (a rehash, when removals leave it one to do).
+whole run and its slowest step. Last, an index grows from empty to 2M blocks while stores
+arrive at a steady GROWTH_RATE block operations/s, GROWTH_BATCH a step, each step followed
+by a lookup as the loop would run it: the slowest steps and the p99 (what a growing index
+holds the loop for).
 
 It appends one record per (workers, prompt length) to
 benchmarks/results/router_decision.jsonl with provenance and the host's load average
@@ -82,6 +85,7 @@ from shoal.protocol import (
     InstanceRecord,
     KVEventBatch,
     ModelCard,
+    RouteHashesStored,
     SamplingParams,
 )
 from shoal.route_events import EventTranslator, as_route_events
@@ -98,6 +102,9 @@ FILLER_TOKENS = 1024  # tokens per filler prefix: 64 blocks
 EVENT_BLOCKS = 16  # blocks per BlockStored event, as an engine step stores a few at a time
 TURNOVER_STEP = 1024  # blocks evicted, then as many new ones stored, per step of the table's
 TURNOVER_PASSES = 3  # table turnover: the whole table evicted this many times over
+GROWTH_BLOCKS = 2_000_000  # the growth: stores into an empty index, at a steady rate
+GROWTH_RATE = 1_000_000  # block operations per second
+GROWTH_BATCH = 2048  # stores a step
 
 
 def stored_events(tokens: list[int]) -> list[BlockStored]:
@@ -277,6 +284,33 @@ def table_turnover(live: int, rng: random.Random) -> dict:
     }
 
 
+def growth_steps(rng: random.Random) -> dict:
+    """The loop's steps while an index grows from empty to GROWTH_BLOCKS blocks, stores
+    arriving at GROWTH_RATE a second (GROWTH_BATCH a step, then a lookup): slowest, next
+    slowest, p99 (ms)."""
+    keys = np.random.default_rng(rng.getrandbits(32)).integers(
+        0, 2**64, GROWTH_BLOCKS, np.uint64, endpoint=False
+    )
+    index = KvIndexer(lower_tiers=False)
+    steps = []
+    start = time.perf_counter()
+    for i, first in enumerate(range(0, GROWTH_BLOCKS, GROWTH_BATCH)):
+        while (now := time.perf_counter()) < start + first / GROWTH_RATE:
+            time.sleep(min(0.0002, start + first / GROWTH_RATE - now))
+        batch = keys[first : first + GROWTH_BATCH]
+        index.apply_batch(f"w{i % 8}", [RouteHashesStored(route_hashes=batch.tobytes())])
+        index.overlaps(batch[:4])
+        steps.append(time.perf_counter() - now)
+    index.flush()
+    assert index.num_distinct_blocks() == GROWTH_BLOCKS
+    steps.sort()
+    return {
+        "growth_worst_step_ms": 1e3 * steps[-1],
+        "growth_second_step_ms": 1e3 * steps[-2],
+        "growth_p99_step_ms": 1e3 * percentile(steps, 0.99),
+    }
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -355,6 +389,7 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
     fresh = filler(names, len(stored) // 10, rng)  # about a tenth of the index, stored anew
     wire = wire_rates(stored, fresh)
     turnover = table_turnover(indexed_blocks, rng)
+    growth = growth_steps(rng)
     rows = []
     for length in prompt_lengths:
         prompt = [rng.randrange(4, 150_000) for _ in range(length + 7)]  # a partial last block
@@ -377,6 +412,7 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
                 "rehash_block_ops_per_s": rehash,
                 **wire,
                 **turnover,
+                **growth,
             }
         )
     return rows
@@ -599,8 +635,8 @@ def main() -> int:
     print(
         f"{'workers':>7} {'tokens':>7} {'p50 ms':>8} {'p99 ms':>8} {'cpu p50':>8} {'place50':>8}"
         f" {'place99':>8} {'hash':>7} {'walk':>7} {'build ops/s':>12} {'churn ops/s':>12}"
-        f" {'rehash ops/s':>12} {'vllm wire':>10} {'shoal wire':>10} {'shoal turn':>10}"
-        f" {'load':>5}"
+        f" {'rehash ops/s':>12} {'vllm wire':>10} {'shoal wire':>10} {'shoal churn':>11}"
+        f" {'shoal turn':>10} {'grow max ms':>11} {'load':>5}"
     )
     rows = []
     for workers in worker_counts:
@@ -616,7 +652,9 @@ def main() -> int:
                 f" {row['rehash_block_ops_per_s']:12.3g}"
                 f" {row['vllm_wire_build_block_ops_per_s']:10.3g}"
                 f" {row['shoal_wire_build_block_ops_per_s']:10.3g}"
+                f" {row['shoal_wire_churn_block_ops_per_s']:11.3g}"
                 f" {row['shoal_wire_turnover_block_ops_per_s']:10.3g}"
+                f" {row['growth_worst_step_ms']:11.1f}"
                 f" {row['load_average_1m']:5.1f}",
                 flush=True,
             )
