@@ -389,7 +389,6 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
     fresh = filler(names, len(stored) // 10, rng)  # about a tenth of the index, stored anew
     wire = wire_rates(stored, fresh)
     turnover = table_turnover(indexed_blocks, rng)
-    growth = growth_steps(rng)
     rows = []
     for length in prompt_lengths:
         prompt = [rng.randrange(4, 150_000) for _ in range(length + 7)]  # a partial last block
@@ -397,6 +396,7 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
         n = len(events)
         for i, name in enumerate(names):
             router.indexer.apply_batch(name, events[: max(1, n * (i + 1) // workers)])
+        router.indexer.flush()  # a growth in a thread ends (lookups read the index before it)
         overlaps = router.indexer.overlaps(route_hashes(prompt, BLOCK))
         assert len(set(overlaps.values())) == min(workers, n), "staggered depths expected"
         figures = time_decisions(router, instances, prompt, budget)
@@ -412,10 +412,10 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
                 "rehash_block_ops_per_s": rehash,
                 **wire,
                 **turnover,
-                **growth,
             }
         )
-    return rows
+    growth = growth_steps(random.Random(workers + 1))  # after the decisions: its threads
+    return [{**row, **growth} for row in rows]  # (preparing slots) do not run beside them
 
 
 LAG_PROBE_S = 0.001  # the probe's sleep
