@@ -93,7 +93,6 @@ from shoal.router.block_table import BlockTable
 from shoal.router.indexer import KvIndexer
 from shoal.router.kv_router import KvRouter
 from shoal.router.metrics import RouterMetrics
-from shoal.router.prompt_hashes import prompt_hashes
 from shoal.runtime.codec import ENCODER, decoder
 
 RESULTS = Path(__file__).resolve().parent / "results" / "router_decision.jsonl"
@@ -340,7 +339,7 @@ def time_decisions(
         t1 = time.perf_counter()
         cpu.append((time.thread_time() - c0) * 1e3)
         router.finished(request.request_id)
-        hashes = prompt_hashes(request, BLOCK)
+        hashes = router.prepare(instances, request)  # the router's own hash
         t2 = time.perf_counter()
         indexer.overlaps(hashes)
         t3 = time.perf_counter()

@@ -132,9 +132,12 @@ class KvRouter(Policy):
         self.runtime = runtime
         self.config = config or KvRouterConfig()
         self.use_kv_events = use_kv_events
-        # imported here: the indexes' compiled table (numba) loads only for a kv router
+        # imported here: the compiled table and hash (numba) load only for a kv router
+        from shoal.router import hash_kernel
         from shoal.router.approx import ApproxIndexer
         from shoal.router.indexer import KvIndexer
+
+        self._route_hashes = hash_kernel.route_hashes
 
         self.indexer: KvIndexer | ApproxIndexer = (
             KvIndexer() if use_kv_events else ApproxIndexer(self.config.approx_ttl)
@@ -233,7 +236,8 @@ class KvRouter(Policy):
         """The prompt's route hashes, once per request (a request waiting for a busy worker
         is placed again as load falls, not hashed again)."""
         t0 = time.perf_counter()
-        hashes = prompt_hashes(request, block_size_of(instances, self.load.block_size))
+        block_size = block_size_of(instances, self.load.block_size)
+        hashes = prompt_hashes(request, block_size, self._route_hashes)
         self.metrics.hash_seconds.observe(time.perf_counter() - t0)
         return hashes
 

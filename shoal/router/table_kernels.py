@@ -23,8 +23,9 @@ argument types the callers use.
 
 from __future__ import annotations
 
-import numba as nb
 import numpy as np
+
+from shoal.router.jit import cached_njit
 
 EMPTY = -1  # a free slot in the id array
 # state: handed-out ids are below NEXT; LIVE keys; FREE_COUNT freed ids in the ring from
@@ -38,22 +39,12 @@ KEY, ID = 0, 1  # a slot's two columns
 READ_AHEAD = 64  # keys whose home slots are read before they are probed in turn
 
 
-def _jit(function):
-    """numba.njit, cached on disk where numba finds a writable place for its cache (next to
-    this file, or the user's cache folder); where it finds none (a read-only install with
-    no writable home), compiled in each process instead."""
-    try:
-        return nb.njit(cache=True, nogil=True, boundscheck=False)(function)
-    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return nb.njit(nogil=True, boundscheck=False)(function)
-
-
-@_jit
+@cached_njit
 def home(key: np.uint64, shift: np.uint64) -> int:
     return np.int64((key * _GOLDEN) >> shift)
 
 
-@_jit
+@cached_njit
 def _read_ahead(slots, state, keys, start, end) -> int:
     """Read the home slots of keys[start:end] (their ids' sum: the reads must be used)."""
     shift, total = np.uint64(state[SHIFT]), 0
@@ -62,7 +53,7 @@ def _read_ahead(slots, state, keys, start, end) -> int:
     return total
 
 
-@_jit
+@cached_njit
 def _find(slots, state, key) -> int:
     """The slot holding `key` (uint64), or the empty slot where its probe stopped (as
     -2 - slot)."""
@@ -75,7 +66,7 @@ def _find(slots, state, key) -> int:
     return -2 - slot
 
 
-@_jit
+@cached_njit
 def _allocate(free, state) -> int:
     """A block id: the oldest freed one, else a new one."""
     if state[FREE_COUNT]:
@@ -88,7 +79,7 @@ def _allocate(free, state) -> int:
     return new
 
 
-@_jit
+@cached_njit
 def _insert(slots, key_of, slot_of, free, state, key) -> int:
     """The id of `key`, added if absent."""
     slot = _find(slots, state, key)
@@ -104,7 +95,7 @@ def _insert(slots, key_of, slot_of, free, state, key) -> int:
     return new
 
 
-@_jit
+@cached_njit
 def _delete(slots, key_of, slot_of, free, state, block) -> None:
     """Remove the key of live id `block`, free the id, and shift back the keys after it
     that its slot lets nearer their homes."""
@@ -127,7 +118,7 @@ def _delete(slots, key_of, slot_of, free, state, block) -> None:
     state[LIVE] -= 1
 
 
-@_jit
+@cached_njit
 def lookup(keys, out, slots, state) -> int:
     """out[i] = the id of keys[i], -1 where absent."""
     read = 0
@@ -139,7 +130,7 @@ def lookup(keys, out, slots, state) -> int:
     return read
 
 
-@_jit
+@cached_njit
 def add(keys, out, slots, key_of, slot_of, free, state) -> int:
     """out[i] = the id of keys[i], adding the keys the table lacks in their order."""
     read = 0
@@ -150,7 +141,7 @@ def add(keys, out, slots, key_of, slot_of, free, state) -> int:
     return read
 
 
-@_jit
+@cached_njit
 def remove(ids, slots, key_of, slot_of, free, state) -> None:
     """Remove the keys of these ids (repeats and freed ids are skipped)."""
     for i in range(len(ids)):
@@ -158,7 +149,7 @@ def remove(ids, slots, key_of, slot_of, free, state) -> None:
             _delete(slots, key_of, slot_of, free, state, ids[i])
 
 
-@_jit
+@cached_njit
 def rehash(old, slots, slot_of, state) -> None:
     """Place every key of the `old` slots in the new (empty) ones `state` describes."""
     mask, shift = state[MASK], np.uint64(state[SHIFT])
@@ -173,7 +164,7 @@ def rehash(old, slots, slot_of, state) -> None:
             slot_of[block] = slot
 
 
-@_jit
+@cached_njit
 def apply_changes(keys, columns, held, bits, strays, slots, key_of, slot_of, free, state) -> int:
     """Apply (block keys[i], worker column columns[i], now held or not) in order: a store
     sets the column's bit in the block's mask (adding the block), a removal clears it (and
