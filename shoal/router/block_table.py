@@ -23,6 +23,7 @@ import numpy as np
 from shoal.router import table_kernels as kernels
 from shoal.router.table_kernels import (
     EMPTY,
+    FIBONACCI,
     FREE_COUNT,
     ID,
     KEY,
@@ -32,9 +33,9 @@ from shoal.router.table_kernels import (
     SHIFT,
     STATE_FIELDS,
     empty_slots,
+    set_size,
 )
 
-_GOLDEN = 0x9E3779B97F4A7C15
 _MIN_SLOTS = 1 << 12
 _MAX_LOAD = 0.4  # keys per slot above which the slots are doubled (and more)
 _PREPARE_LOAD = 0.3  # keys per slot from which the next slots are prepared in a thread
@@ -83,8 +84,7 @@ class _Growth(threading.Thread):
         self.old, self.slot_of = old, slot_of
         size = _slots_for(live)
         self.state = state.copy()
-        self.state[MASK] = size - 1
-        self.state[SHIFT] = 65 - size.bit_length()
+        set_size(self.state, size)
         self.empty = spare if spare is not None and len(spare.slots) == size else None
         self.slots = self.empty.slots if self.empty is not None else np.empty((size, 2), np.int64)
         self.error: BaseException | None = None
@@ -137,7 +137,7 @@ class BlockTable:
 
     @property
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """The table as table_kernels' functions take it (table_kernels.TABLE)."""
+        """The table as table_kernels' functions take it."""
         return self._slots, self.key_of, self._slot_of, self._free, self._state
 
     def reserve(self, n: int, wait: bool = True) -> bool:
@@ -265,7 +265,7 @@ class BlockTable:
         """The id of one key, -1 if absent (in Python: a kernel call costs more for one)."""
         slots, mask = memoryview(self._slots.reshape(-1)), int(self._state[MASK])
         bits = key - (1 << 64) if key >> 63 else key  # as the slots hold it (int64)
-        slot = ((key * _GOLDEN) & _U64) >> int(self._state[SHIFT])
+        slot = ((key * FIBONACCI) & _U64) >> int(self._state[SHIFT])
         while (block := slots[2 * slot + ID]) != EMPTY:
             if slots[2 * slot + KEY] == bits:
                 return block
@@ -279,8 +279,7 @@ class BlockTable:
 
     def _use_slots(self, slots: np.ndarray) -> None:
         self._slots = slots
-        self._state[MASK] = len(slots) - 1
-        self._state[SHIFT] = 65 - len(slots).bit_length()  # the top log2(slots) bits
+        set_size(self._state, len(slots))
 
     def _rehash(self, live: int) -> None:
         """Rebuild the slots for `live` keys, at most a quarter full (into the spare slots,

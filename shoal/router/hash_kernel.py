@@ -26,7 +26,6 @@ from shoal.router.jit import cached_njit
 
 _P = np.uint64(ROUTE_MULTIPLIER)
 _F1, _F2 = (np.uint64(m) for m in FINALISER_MULTIPLIERS)
-_keys: dict[int, np.ndarray] = {}  # block size -> its words' keys
 
 
 @cached_njit
@@ -56,13 +55,11 @@ def route_hashes(
     token_ids: Sequence[int] | np.ndarray, block_size: int, extra: bytes = b""
 ) -> np.ndarray:
     """kv_hash.route_hashes(token_ids, block_size, extra) of a sequence's first blocks."""
-    keys = _keys.get(block_size)
-    if keys is None:
-        keys = _keys[block_size] = route_word_keys(block_size)
     n = len(token_ids) // block_size
     out = np.empty(n, np.uint64)
     if n:
         words = route_words(token_ids, n, block_size)
+        keys = route_word_keys(block_size)
         chain(words, keys, np.uint64(ROUTE_ROOT), np.uint64(route_extra(extra)), out)
     return out
 

@@ -3,13 +3,14 @@
 A table of 64-bit block hashes to dense block ids is one open-addressing array of slots,
 each a key (its bits as int64) and the key's id side by side, so a probe reads one cache
 line per slot (linear probing from a Fibonacci-hashed home slot, EMPTY ids where no key
-is), with per id its key and its slot. A removal moves the keys after it back (backward shift), so
-there are no tombstones and a probe stops at the first empty slot. Freed ids wait in a ring
-and are handed out oldest first, so a prefix evicted and another stored after it reuse ids
-in order (consecutive ids are what BlockTable.leading_ids guesses).
+is), with per id its key and its slot. A removal moves the keys after it back (backward
+shift), so there are no tombstones and a probe stops at the first empty slot. Freed ids
+wait in a ring and are handed out oldest first, so a prefix evicted and another stored
+after it reuse ids in order (consecutive ids are what BlockTable.leading_ids guesses).
 
-Every function takes the table as its arrays (the `TABLE` arguments, in that order; the
-scalars in `state`) and never grows them: the caller makes room first (BlockTable.reserve).
+Every function takes the table as its arrays (slots, key_of, slot_of, free, state, in
+that order; the scalars in `state`) and never grows them: the caller makes room first
+(BlockTable.reserve).
 `apply_changes` runs a queue of (block, worker, held) changes in order, table and holder
 masks together: a change per loop turn, no sort to net them and no vectorised passes.
 
@@ -32,8 +33,8 @@ EMPTY = -1  # a free slot in the id array
 # FREE_HEAD; the slot mask; SHIFT picks the top log2(slots) bits of a key's Fibonacci hash
 NEXT, LIVE, FREE_HEAD, FREE_COUNT, MASK, SHIFT = range(6)
 STATE_FIELDS = 6
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-TABLE = ("slots", "key_of", "slot_of", "free", "state")
+FIBONACCI = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd: a key's home multiplier
+_GOLDEN = np.uint64(FIBONACCI)
 KEY, ID = 0, 1  # a slot's two columns
 
 READ_AHEAD = 64  # keys whose home slots are read before they are probed in turn
@@ -199,6 +200,12 @@ def apply_changes(keys, columns, held, bits, strays, slots, key_of, slot_of, fre
     return read
 
 
+def set_size(state: np.ndarray, slots: int) -> None:
+    """Make `state` describe `slots` slots (a power of two): its mask and home shift."""
+    state[MASK] = slots - 1
+    state[SHIFT] = 65 - slots.bit_length()  # the top log2(slots) bits
+
+
 def empty_slots(n: int) -> np.ndarray:
     """`n` empty slots."""
     slots = np.zeros((n, 2), np.int64)
@@ -210,7 +217,8 @@ def _compile() -> None:
     """Run every function once on a tiny table, for each argument type callers pass (keys
     read from bytes are read-only), so none compiles on a first request."""
     ids = 4
-    state = np.array([0, 0, 0, 0, 7, 61], np.int64)  # 8 slots
+    state = np.zeros(STATE_FIELDS, np.int64)
+    set_size(state, 8)
     table = (
         empty_slots(8),
         np.zeros(ids, np.uint64),
