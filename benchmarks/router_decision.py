@@ -39,17 +39,18 @@ benchmarks/results/router_decision.jsonl with provenance and the host's load ave
     .venv/bin/python benchmarks/router_decision.py --workers 8 --prompt-tokens 1024 \\
         --indexed-blocks 100000 --no-record
 
---loop-lag asks whether KV event application belongs on the frontend's event loop or in a
-thread of its own. On an index of --indexed-blocks over each --workers count, an event
-stream (stores and removals, EVENT_BLOCKS blocks a batch) is applied at each --event-rates
-block operations per second, either on the loop (a task applying one batch per loop turn,
-as the router's event readers do) or by a thread (pacing itself, as a thread owning the
-event sockets would; the index behind a lock that routing takes too). Meanwhile the loop
-runs a probe (a 1 ms sleep; its lateness is what every stream on the loop waits) and
-routes a --prompt-tokens prompt every 5 ms. Figures per (rate, place): probe lateness
-p50/p99, decision time p50/p99 (lock waits included), the event rate achieved. The workers
-publish in --events-format (vllm, the default here: the router translates; shoal: each
-worker translated its own). Records go to results/router_loop_lag.jsonl.
+--loop-lag measures what KV events cost the frontend's event loop: applied by the router's
+event thread (shoal.router.event_thread, what a router runs) or on the loop itself (an
+EventSubscriber per worker applying one batch a loop turn, as the router did before). On an
+index of --indexed-blocks over each --workers count, a child process standing for the
+workers publishes an event stream (stores and removals, EVENT_BLOCKS blocks a batch) at each
+--event-rates block operations per second over ZMQ; the thread's router first loads each
+worker's blocks as dumps. Meanwhile the loop runs a probe (a 1 ms sleep; its lateness is
+what every stream on the loop waits) and routes a --prompt-tokens prompt every 5 ms.
+Figures per (rate, place): probe lateness p50/p99, decision time p50/p99 (waits for the
+index's lock included), the rates sent and applied. The workers publish in
+--events-format (vllm, the default here: the router translates; shoal: each worker
+translated its own). Records go to results/router_loop_lag.jsonl.
 
     .venv/bin/python benchmarks/router_decision.py --loop-lag --workers 32 \\
         --prompt-tokens 1024 --indexed-blocks 200000 --event-rates 0,100000,300000,1000000
@@ -79,6 +80,7 @@ from provenance import provenance
 from shoal.kv_hash import hash_blocks, route_hash_runs, route_hashes
 from shoal.protocol import (
     KV_EVENTS_FORMATS,
+    KV_EVENTS_TOPIC,
     BlockRemoved,
     BlockStored,
     EngineRequest,
@@ -94,6 +96,7 @@ from shoal.router.indexer import KvIndexer
 from shoal.router.kv_router import KvRouter
 from shoal.router.metrics import RouterMetrics
 from shoal.runtime.codec import ENCODER, decoder
+from shoal.runtime.event_loop import GIL_SWITCH_INTERVAL_S
 
 RESULTS = Path(__file__).resolve().parent / "results" / "router_decision.jsonl"
 BLOCK = 16
@@ -448,51 +451,99 @@ def publisher() -> Callable[[str, list], list]:
     return publish
 
 
+def _publish(conn, workers: int, stream: list[tuple[int, bytes]], rate: float, seconds: float):
+    """A child process standing for the workers: one PUB socket each, whose addresses go to
+    the parent; on the parent's word, `stream` (worker, encoded batch), in a cycle, at `rate`
+    block operations per second for `seconds`, each worker's batches numbered from 1."""
+    import zmq
+
+    context = zmq.Context()
+    socks = []
+    for _ in range(workers):
+        sock = context.socket(zmq.PUB)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        socks.append(sock)
+    conn.send([f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for s in socks])
+    conn.recv()
+    topic, seqs = KV_EVENTS_TOPIC.encode(), [0] * workers
+    start, i = time.perf_counter(), 0
+    while (now := time.perf_counter()) - start < seconds:
+        due = (now - start) * rate / EVENT_BLOCKS
+        if i >= due:
+            time.sleep(0.001 if rate <= 0 else min(0.001, (i + 1 - due) * EVENT_BLOCKS / rate))
+            continue
+        worker, payload = stream[i % len(stream)]
+        seqs[worker] += 1
+        socks[worker].send_multipart([topic, seqs[worker].to_bytes(8, "big"), payload])
+        i += 1
+    conn.send(i)
+    time.sleep(0.5)  # the last batches drain before the sockets close
+    context.destroy(linger=0)
+
+
 async def _loop_lag(
     router: KvRouter,
     instances: list[InstanceRecord],
     prompt: list[int],
-    stream: list[tuple[str, list]],
+    stream: list[tuple[int, bytes]],
+    dumps: dict[str, list] | None,
+    entries: int,
     rate: float,
-    threaded: bool,
     seconds: float,
 ) -> dict:
-    """Probe lateness and decision times on the loop while `stream` is applied at `rate`
-    block operations per second, on the loop or (`threaded`) by a thread behind a lock."""
+    """Probe lateness and decision times on the loop while a child process publishes
+    `stream` at `rate` block operations per second to the router: read and applied on the
+    loop (an EventSubscriber per worker, one batch a turn, as the router did before its event
+    thread) or, with `dumps` (each worker's stored events), by the router's KvEventThread,
+    which first loads each worker's dump as a router joining a cluster does (`entries`
+    (worker, block) pairs in all)."""
     import asyncio
-    import threading
+    import multiprocessing
 
-    lock = threading.Lock() if threaded else None
+    from shoal.protocol import KVStateDump
+    from shoal.router.event_thread import KvEventThread
+    from shoal.runtime.event_plane import EventSubscriber
+
+    names = [i.instance_id for i in instances]
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_publish, args=(child, len(names), stream, rate, seconds)
+    )
+    proc.start()
+    addresses = await asyncio.to_thread(parent.recv)
+    applied = router.metrics.events_applied
+    events, readers, gaps = None, [], []
+    if dumps is None:
+
+        async def read(worker: str, sub: EventSubscriber) -> None:
+            async for event in sub:
+                batch = event.message.events
+                with router.index_lock:
+                    router.indexer.apply_batch(worker, batch)
+                applied.inc(len(batch))
+
+        for worker, address in zip(names, addresses, strict=True):
+            sub = EventSubscriber(KVEventBatch, [KV_EVENTS_TOPIC])
+            sub.connect(address)
+            readers.append((sub, asyncio.create_task(read(worker, sub))))
+    else:
+        events = KvEventThread(
+            router.indexer, router.index_lock, router.metrics, lambda w, why: gaps.append(w)
+        )
+        for worker, address in zip(names, addresses, strict=True):
+            events.follow(worker, address)
+            dump = KVStateDump(worker_id=worker, seq=0, block_size=BLOCK, events=dumps[worker])
+            events.resynced(worker, dump)
+        while True:
+            with router.index_lock:
+                held = sum(router.indexer.num_blocks(w) for w in names)
+            if held >= entries:
+                break
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # the subscriptions reach the publishers
+    before = applied._value.get()
+    parent.send("go")
     stop = time.perf_counter() + seconds
-    applied = 0
-
-    def feed_thread() -> None:
-        nonlocal applied
-        start, i = time.perf_counter(), 0
-        while (now := time.perf_counter()) < stop:
-            due = (now - start) * rate / EVENT_BLOCKS
-            if i >= due:
-                time.sleep(min(0.001, (i + 1 - due) * EVENT_BLOCKS / rate))
-                continue
-            worker, batch = stream[i % len(stream)]
-            with lock:
-                router.indexer.apply_batch(worker, batch)
-            i += 1
-        applied = i * EVENT_BLOCKS
-
-    async def feed_loop() -> None:
-        nonlocal applied
-        start, i = time.perf_counter(), 0
-        while (now := time.perf_counter()) < stop:
-            due = (now - start) * rate / EVENT_BLOCKS
-            if i >= due:
-                await asyncio.sleep((i + 1 - due) * EVENT_BLOCKS / rate)
-                continue
-            worker, batch = stream[i % len(stream)]
-            router.indexer.apply_batch(worker, batch)
-            i += 1
-            await asyncio.sleep(0)  # one batch a loop turn, as a subscriber delivers them
-        applied = i * EVENT_BLOCKS
 
     async def probe(lateness: list[float]) -> None:
         while time.perf_counter() < stop:
@@ -507,11 +558,7 @@ async def _loop_lag(
                 request_id=f"lag{i}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=1)
             )
             t0 = time.perf_counter()
-            if lock is None:
-                router.select(instances, request)
-            else:
-                with lock:
-                    router.select(instances, request)
+            router.select(instances, request)
             times.append((time.perf_counter() - t0) * 1e3)
             router.finished(request.request_id)
             i += 1
@@ -519,20 +566,22 @@ async def _loop_lag(
 
     lateness: list[float] = []
     decisions: list[float] = []
-    tasks = [probe(lateness), decide(decisions)]
-    thread = None
-    if rate > 0 and threaded:
-        thread = threading.Thread(target=feed_thread)
-        thread.start()
-    elif rate > 0:
-        tasks.append(feed_loop())
-    await asyncio.gather(*tasks)
-    if thread is not None:
-        await asyncio.to_thread(thread.join)
+    await asyncio.gather(probe(lateness), decide(decisions))
+    done = applied._value.get()
+    sent = await asyncio.to_thread(parent.recv)
+    await asyncio.to_thread(proc.join)
+    for sub, task in readers:
+        task.cancel()
+        sub.close()
+    if events is not None:
+        events.stop()
+        await asyncio.to_thread(events.join)
     return {
         "event_rate": rate,
-        "events_in": "thread" if threaded else "loop",
-        "applied_block_ops_per_s": applied / seconds,
+        "events_in": "loop" if dumps is None else "thread",
+        "sent_block_ops_per_s": sent * EVENT_BLOCKS / seconds,
+        "applied_block_ops_per_s": (done - before) * EVENT_BLOCKS / seconds,
+        "resyncs_asked": len(gaps),  # the thread saw a gap (the publisher's queue overflowed)
         "probe_lateness_p50_ms": statistics.median(lateness),
         "probe_lateness_p99_ms": percentile(lateness, 0.99),
         "decision_p50_ms": statistics.median(decisions),
@@ -548,22 +597,39 @@ def loop_lag(
     seconds: float,
     events_format: str,
 ) -> list[dict]:
-    """_loop_lag for each rate, events on the loop and in a thread, on one index, the
-    workers publishing in `events_format`."""
+    """_loop_lag for each rate, events on the loop and in the event thread, each on a fresh
+    index of the same blocks, the workers publishing in `events_format`."""
     import asyncio
 
     rng = random.Random(workers)
     names = [f"w{i}" for i in range(workers)]
     instances = [instance(n) for n in names]
-    router = KvRouter(None, metrics=RouterMetrics(CollectorRegistry()), seed=0, replica_sync=False)
+    column = {n: i for i, n in enumerate(names)}
     publish = publisher() if events_format == "shoal" else None
-    stored, _, _ = build_index(router, names, indexed_blocks, rng, publish)
-    stream = event_stream(stored, publish)
+    per_prefix = FILLER_TOKENS // BLOCK
+    stored = filler(names, indexed_blocks // per_prefix, rng)
+    dumps: dict[str, list] = {n: [] for n in names}
+    for worker, events in stored:
+        dumps[worker] += events if publish is None else publish(worker, events)
+    stream = [
+        (column[w], ENCODER.encode(KVEventBatch(ts=0.0, events=batch)))
+        for w, batch in event_stream(stored, publish)
+    ]
+    entries = len(stored) * per_prefix
     prompt = [rng.randrange(4, 150_000) for _ in range(prompt_tokens)]
     rows = []
     for rate in rates:
         for threaded in (False, True) if rate > 0 else (False,):
-            row = asyncio.run(_loop_lag(router, instances, prompt, stream, rate, threaded, seconds))
+            router = KvRouter(
+                None, metrics=RouterMetrics(CollectorRegistry()), seed=0, replica_sync=False
+            )
+            if not threaded:
+                for worker, events in dumps.items():
+                    router.indexer.apply_batch(worker, events)
+            held = dumps if threaded else None
+            row = asyncio.run(
+                _loop_lag(router, instances, prompt, stream, held, entries, rate, seconds)
+            )
             rows.append(
                 {
                     "workers": workers,
@@ -670,6 +736,7 @@ def main_loop_lag(
 ) -> int:
     """--loop-lag: print and record a row per (workers, prompt length, rate, place)."""
     rates = [float(r) for r in args.event_rates.split(",")]
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as a frontend or the router service runs
     print(
         f"{'workers':>7} {'tokens':>7} {'rate':>9} {'events in':>9} {'applied/s':>10}"
         f" {'lag p50':>8} {'lag p99':>8} {'dec p50':>8} {'dec p99':>8} {'load':>5}"

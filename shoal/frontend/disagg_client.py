@@ -182,7 +182,7 @@ class DisaggClient:
             if pool:
                 hashes = decode.prepare(pool, request)  # timed in its hash metric
                 block_size = pool[0].card.kv_block_size
-                cached = max(decode.indexer.overlaps(hashes).values(), default=0) * block_size
+                cached = max(decode.overlaps(hashes).values(), default=0) * block_size
                 if block_size == instances[0].card.kv_block_size:
                     shared = hashes
         if len(request.prompt_token_ids) - cached <= self.max_local_prefill_length:

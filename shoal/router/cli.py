@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import math
 import signal
+import sys
 
 from shoal.flags import Flag, FlagGroup, FlagParser
 from shoal.protocol import GENERATE_ENDPOINT
@@ -261,6 +262,7 @@ async def _serve(args: argparse.Namespace, options: dict) -> None:
     registry = CollectorRegistry()
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, args.host, registry)
+    sys.setswitchinterval(event_loop.GIL_SWITCH_INTERVAL_S)  # the KV event thread's turns
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,9 +4,11 @@ It follows the workers of the generate endpoint. From each worker's event-plane 
 it applies KV event batches (vLLM's layout) to an index of who caches which block, and load
 reports to its own load prediction. Each worker's KV batches come through a subscription of
 their own, so the publisher's address says whose they are (vLLM's batches name no worker).
-Batches are numbered per worker in the frame before them; a router that joins late or sees
-a gap in the numbers asks the worker for a full dump (KV_STATE_ENDPOINT), holds the batches
-that arrive meanwhile, then applies those numbered after the dump.
+A thread of their own reads and applies them (shoal.router.event_thread), the index behind
+`index_lock`, which routing takes too. Batches are numbered per worker in the frame before
+them; a router that joins late or sees a gap in the numbers asks the worker for a full dump
+(KV_STATE_ENDPOINT), holds the batches that arrive meanwhile, then applies those numbered
+after the dump.
 
 Without KV events (`use_kv_events=False`) the index is approximate: it remembers where the
 router itself sent each prefix, within each worker's KV capacity (shoal.router.approx).
@@ -37,6 +39,7 @@ import logging
 import math
 import random
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
@@ -45,12 +48,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shoal.protocol import (
-    KV_EVENTS_TOPIC,
     KV_STATE_ENDPOINT,
     LOAD_TOPIC,
     EngineRequest,
     InstanceRecord,
-    KVEventBatch,
     KVStateDump,
     KVStateRequest,
     LoadDelta,
@@ -69,6 +70,7 @@ from shoal.runtime.event_plane import EventSubscriber
 
 if TYPE_CHECKING:
     from shoal.router.approx import ApproxIndexer
+    from shoal.router.event_thread import KvEventThread
     from shoal.router.indexer import KvIndexer
 
 log = logging.getLogger(__name__)
@@ -87,26 +89,18 @@ SYNC_WINDOW = 0.02
 
 
 class _Feed:
-    """What the router follows of one worker's event stream."""
+    """A followed worker: its record, its event publisher's address, a dump being fetched."""
 
-    __slots__ = ("address", "pending", "reader", "record", "resync", "seq", "sub")
+    __slots__ = ("address", "record", "resync")
 
     def __init__(self, record: InstanceRecord) -> None:
         self.record = record
         self.address = record.extra.get("kv_events")
-        self.seq = 0  # last KV batch applied (or covered by a dump)
-        self.resync: asyncio.Task | None = None  # a dump being fetched
-        self.pending: list[tuple[int, KVEventBatch]] = []  # batches that arrived meanwhile
-        self.sub: EventSubscriber[KVEventBatch] | None = None  # this worker's KV batches
-        self.reader: asyncio.Task | None = None  # the task applying them
+        self.resync: asyncio.Task | None = None
 
     def stop(self) -> None:
-        """Stop following this worker's KV batches."""
-        for task in (self.resync, self.reader):
-            if task is not None:
-                task.cancel()
-        if self.sub is not None:
-            self.sub.close()
+        if self.resync is not None:
+            self.resync.cancel()
 
 
 class KvRouter(Policy):
@@ -142,6 +136,8 @@ class KvRouter(Policy):
         self.indexer: KvIndexer | ApproxIndexer = (
             KvIndexer() if use_kv_events else ApproxIndexer(self.config.approx_ttl)
         )
+        self.index_lock = threading.Lock()  # held by every read and write of the index
+        self.events: KvEventThread | None = None  # applies the KV events, once started
         self.load = LoadTracker(block_size=16)  # the real size comes with the first worker
         self.replica_id = secrets.token_hex(8)
         self.peers = PeerLoads(self.load)  # other replicas' requests, counted in self.load
@@ -175,6 +171,22 @@ class KvRouter(Policy):
         """Follow the workers of `endpoint` and their event streams."""
         self._load_sub = EventSubscriber(LoadReport, [LOAD_TOPIC], secret=self.runtime.plane_secret)
         self._tasks.append(asyncio.create_task(self._read_load(), name="kv-router load"))
+        if self.use_kv_events:
+            from shoal.router.event_thread import KvEventThread
+
+            loop = asyncio.get_running_loop()
+
+            def ask_resync(worker: str, reason: str) -> None:  # called by the event thread
+                with contextlib.suppress(RuntimeError):  # the loop has closed: no one to ask
+                    loop.call_soon_threadsafe(self._resync_requested, worker, reason)
+
+            self.events = KvEventThread(
+                self.indexer,
+                self.index_lock,
+                self.metrics,
+                ask_resync,
+                secret=self.runtime.plane_secret,
+            )
         endpoint.add_listener(self._on_instance)
         if self._sync is not None:
             await self._sync.start(endpoint.endpoint)
@@ -186,12 +198,16 @@ class KvRouter(Policy):
             await self._sync.close()
         for feed in self._feeds.values():
             feed.stop()
-            self._tasks.extend(t for t in (feed.resync, feed.reader) if t is not None)
+            if feed.resync is not None:
+                self._tasks.append(feed.resync)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._load_sub is not None:
             self._load_sub.close()
+        if self.events is not None:
+            self.events.stop()
+            await asyncio.to_thread(self.events.join)
 
     def _on_instance(self, event) -> None:
         record: InstanceRecord = event.instance
@@ -209,14 +225,8 @@ class KvRouter(Policy):
                 log.warning("worker %s publishes no KV events or load", worker)
                 return
             self._load_sub.connect(feed.address)
-            if self.use_kv_events:
-                feed.sub = EventSubscriber(
-                    KVEventBatch, [KV_EVENTS_TOPIC], secret=self.runtime.plane_secret
-                )
-                feed.sub.connect(feed.address)
-                feed.reader = asyncio.create_task(
-                    self._read_kv(feed), name=f"kv-router events {worker}"
-                )
+            if self.events is not None:
+                self.events.follow(worker, feed.address)
                 self._start_resync(feed, "start")
             return
         feed = self._feeds.pop(worker, None)
@@ -226,7 +236,11 @@ class KvRouter(Policy):
         if feed.address is not None:
             with contextlib.suppress(Exception):
                 self._load_sub.disconnect(feed.address)
-        self.indexer.remove_worker(worker)
+        if self.events is not None:
+            self.events.forget(worker)  # and drops it from the index, in order with its events
+        else:
+            with self.index_lock:
+                self.indexer.remove_worker(worker)
         self.load.remove_worker(worker)
         log.info("worker %s left: dropped from the KV index", worker)
 
@@ -276,8 +290,9 @@ class KvRouter(Policy):
         if not free:
             self.metrics.busy_rejections.inc()
             raise AllWorkersBusy(f"all {len(candidates)} workers are over the busy threshold")
-        overlaps = self.indexer.overlaps(hashes)
-        deeper = self._lower_tier_overlaps(hashes, overlaps)
+        with self.index_lock:
+            overlaps = self.indexer.overlaps(hashes)
+            deeper = self._lower_tier_overlaps(hashes, overlaps)
         prompt_blocks = math.ceil(prompt_tokens / block_size)
         priced = self._priced(overlaps, deeper)
         others: list[str] | None = None  # where the peers are guessed to send theirs
@@ -311,7 +326,8 @@ class KvRouter(Policy):
                 else:
                     self._guess_peers(request_id, worker, blocks, new_tokens, chance)
         if not self.use_kv_events:  # the ApproxIndexer
-            self.indexer.record(worker, hashes.tolist(), prompt_blocks)
+            with self.index_lock:
+                self.indexer.record(worker, hashes.tolist(), prompt_blocks)
         m = self.metrics
         m.routed.inc()
         m.prompt_blocks.inc(len(hashes))
@@ -396,6 +412,11 @@ class KvRouter(Policy):
             priced[worker] = gpu + credit * (depth - gpu)
         return priced
 
+    def overlaps(self, hashes: np.ndarray) -> dict[str, int]:
+        """Per worker, how many leading blocks of these route hashes it caches (GPU)."""
+        with self.index_lock:
+            return self.indexer.overlaps(hashes)
+
     def watch_load(self, callback: Callable[[], None]) -> None:
         self.load.watch(callback)
 
@@ -420,24 +441,11 @@ class KvRouter(Policy):
                 self._expire_guesses()  # a report is read against the prediction
                 self.load.report(report)
 
-    async def _read_kv(self, feed: _Feed) -> None:
-        async for event in feed.sub:
-            self._on_batch(feed, event.seq, event.message)
-
-    def _on_batch(self, feed: _Feed, seq: int, batch: KVEventBatch) -> None:
-        worker = feed.record.instance_id
-        if feed.resync is not None:
-            feed.pending.append((seq, batch))
-        elif seq <= feed.seq:
-            return  # already covered by a dump
-        elif seq != feed.seq + 1:
-            log.warning("worker %s: KV batch %d after %d; resyncing", worker, seq, feed.seq)
-            self._start_resync(feed, "gap")
-            feed.pending.append((seq, batch))
-        else:
-            self.indexer.apply_batch(worker, batch.events)
-            self.metrics.events_applied.inc(len(batch.events))
-            feed.seq = seq
+    def _resync_requested(self, worker: str, reason: str) -> None:
+        """The event thread lost track of `worker`'s batches: fetch it a dump."""
+        feed = self._feeds.get(worker)
+        if feed is not None and feed.resync is None:
+            self._start_resync(feed, reason)
 
     def _start_resync(self, feed: _Feed, reason: str) -> None:
         self.metrics.resyncs.labels(reason).inc()
@@ -458,11 +466,8 @@ class KvRouter(Policy):
                 return
         if self._feeds.get(worker) is not feed:
             return
-        self.indexer.load_dump(worker, dump.events)
-        feed.seq = dump.seq
-        pending, feed.pending, feed.resync = feed.pending, [], None
-        for seq, batch in pending:
-            self._on_batch(feed, seq, batch)
+        feed.resync = None
+        self.events.resynced(worker, dump)
 
     async def _fetch_dump(self, record: InstanceRecord, reason: str) -> KVStateDump:
         stream = self.runtime.requests.stream(

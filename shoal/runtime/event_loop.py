@@ -26,7 +26,8 @@ BUSY_RECHECK_S = 0.02  # how often a busy process looks whether it has gone idle
 _LOAD_WINDOW_S = 0.01  # the span over which the process's CPU use is judged
 # A server's threads hand the GIL over at most this far apart while one waits for it (the
 # interpreter's default is 5 ms): the worker's engine thread and its loop at each step's
-# hand-off, the frontend's loop and the threads that tokenize long prompts.
+# hand-off, the frontend's loop and the threads that tokenize long prompts, a router's loop
+# and the thread applying its KV events (shoal.router.event_thread).
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 

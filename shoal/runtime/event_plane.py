@@ -101,6 +101,53 @@ class EventPublisher:
         self._sock.close(linger=0)
 
 
+class EventCheck(Generic[T]):
+    """Checks and decodes a subscription's multipart messages: with `secret`, only those
+    signed with it; then three frames (topic, seq, payload) and a payload of `message_type`.
+    Anything else is dropped and logged, sparingly."""
+
+    def __init__(self, message_type: type[T], secret: str | bytes | None = None) -> None:
+        self._decode = decoder(message_type).decode
+        self._signer = make_signer(secret)
+        self.num_dropped = 0
+
+    def frames(self, frames: list[bytes]) -> list[bytes] | None:
+        """The message's (topic, seq, payload) frames, its MAC checked; None: dropped."""
+        if self._signer is not None:
+            checked = self._signer.verify(frames)
+            if checked is None:
+                self._drop("an event without a valid MAC of the plane secret")
+                return None
+            frames = checked
+        if len(frames) != 3:
+            self._drop(f"an event of {len(frames)} frames (want topic, seq, payload)")
+            return None
+        return frames
+
+    def event(self, frames: list[bytes]) -> Event[T] | None:
+        """The checked frames decoded (None: they were dropped)."""
+        topic, seq, payload = frames
+        try:
+            return Event(topic.decode(), _SEQ.unpack(seq)[0], self._decode(payload))
+        except (msgspec.DecodeError, struct.error, UnicodeDecodeError) as exc:
+            self._drop(f"an undecodable event on topic {topic!r}: {exc}")
+            return None
+
+    def _drop(self, what: str) -> None:
+        self.num_dropped += 1
+        if self.num_dropped % _WARN_EVERY == 1:
+            log.warning("event plane: dropping %s (%d dropped so far)", what, self.num_dropped)
+
+
+def subscriber_socket(topics: Iterable[str], context: zmq.Context | None = None) -> zmq.Socket:
+    """A SUB socket subscribed to the topics (prefixes), closing without linger."""
+    sock = (context or zmq.Context.instance()).socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    for topic in topics:
+        sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    return sock
+
+
 class EventSubscriber(Generic[T]):
     """Receives `message_type` messages whose topic starts with one of `topics`.
 
@@ -119,18 +166,17 @@ class EventSubscriber(Generic[T]):
         secret: str | bytes | None = None,
         context: zmq.Context | None = None,
     ) -> None:
-        sock = (context or zmq.Context.instance()).socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        for topic in topics:
-            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._decode = decoder(message_type).decode
+        self._check = EventCheck(message_type, secret)
         self._max_pending = max_pending
-        self._signer = make_signer(secret)
-        self.num_dropped = 0
         self._pending: collections.deque[list[bytes]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._sock = LoopSocket(sock, self._on_frames)
+        self._sock = LoopSocket(subscriber_socket(topics, context), self._on_frames)
         self._loop = asyncio.get_running_loop()
+
+    @property
+    def num_dropped(self) -> int:
+        """Messages dropped: unsigned, malformed or undecodable."""
+        return self._check.num_dropped
 
     def connect(self, address: str) -> None:
         self._sock.sock.connect(address)
@@ -139,16 +185,10 @@ class EventSubscriber(Generic[T]):
         self._sock.sock.disconnect(address)
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        if self._signer is not None:
-            checked = self._signer.verify(frames)
-            if checked is None:
-                self._drop("an event without a valid MAC of the plane secret")
-                return
-            frames = checked
-        if len(frames) != 3:
-            self._drop(f"an event of {len(frames)} frames (want topic, seq, payload)")
+        checked = self._check.frames(frames)
+        if checked is None:
             return
-        self._pending.append(frames)
+        self._pending.append(checked)
         if len(self._pending) >= self._max_pending:
             self._sock.pause()
         waiter = self._waiter
@@ -183,19 +223,10 @@ class EventSubscriber(Generic[T]):
 
     def _next(self) -> Event[T] | None:
         """The first pending message, decoded (None: it was dropped)."""
-        topic, seq, payload = self._pending.popleft()
+        frames = self._pending.popleft()
         if len(self._pending) <= self._max_pending // 2:
             self._sock.resume()
-        try:
-            return Event(topic.decode(), _SEQ.unpack(seq)[0], self._decode(payload))
-        except (msgspec.DecodeError, struct.error, UnicodeDecodeError) as exc:
-            self._drop(f"an undecodable event on topic {topic!r}: {exc}")
-            return None
-
-    def _drop(self, what: str) -> None:
-        self.num_dropped += 1
-        if self.num_dropped % _WARN_EVERY == 1:
-            log.warning("event plane: dropping %s (%d dropped so far)", what, self.num_dropped)
+        return self._check.event(frames)
 
     def __aiter__(self) -> EventSubscriber[T]:
         return self

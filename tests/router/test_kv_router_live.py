@@ -49,6 +49,13 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def blocks_of(router: KvRouter, worker: str) -> set[int]:
+    """The router hashes the router's index has `worker` holding (read under its lock, as
+    the event thread writes the index meanwhile)."""
+    with router.index_lock:
+        return set(router.indexer.blocks(worker))
+
+
 async def open_client(folder: Path, count: int = 2, **options) -> WorkerClient:
     runtime = DistributedRuntime(f"file://{folder}")
     client = await WorkerClient(runtime, "kv", **options).start()
@@ -112,8 +119,8 @@ def test_requests_follow_their_cached_prefix(workers):
             holder = chosen[0]
             hashes = route_hashes(shared, BLOCK)
             # The engine's BlockStored hashes are the router's hashes of the same token ids.
-            await wait_for(lambda: router.indexer.overlaps(hashes).get(holder) == 4)
-            assert router.indexer.overlaps(hashes) == {holder: 4}
+            await wait_for(lambda: router.overlaps(hashes).get(holder) == 4)
+            assert router.overlaps(hashes) == {holder: 4}
             for i in range(6):
                 cached, _ = await generate(client, f"follow-{i}", shared + prompt_of(10 + i, 9))
                 assert cached == 4 * BLOCK
@@ -147,7 +154,7 @@ def test_a_prefix_cached_on_either_worker_is_followed(workers):
                 await generate(client, f"pinned-{n}", [*shared, 5])
                 client.policy.select = select
                 hashes = route_hashes(shared, BLOCK)
-                await wait_for(lambda h=hashes, w=worker: router.indexer.overlaps(h).get(w) == 3)
+                await wait_for(lambda h=hashes, w=worker: router.overlaps(h).get(w) == 3)
                 chosen = routed_to(client)
                 cached, _ = await generate(client, f"follows-{n}", [*shared, 6, 7])
                 assert chosen == [worker] and cached == 3 * BLOCK
@@ -174,7 +181,7 @@ def test_approximate_mode_remembers_where_it_sent_prefixes(workers):
                 cached, _ = await generate(client, f"approx-{i}", shared + prompt_of(20 + i, 7))
                 assert cached == (0 if i == 0 else 3 * BLOCK)
             assert len(set(chosen)) == 1
-            assert client.policy.indexer.overlaps(route_hashes(shared, BLOCK)) == {chosen[0]: 3}
+            assert client.policy.overlaps(route_hashes(shared, BLOCK)) == {chosen[0]: 3}
         finally:
             await close_client(client)
 
@@ -218,7 +225,7 @@ def test_a_gap_in_event_numbers_triggers_a_resync(workers):
         router: KvRouter = client.policy
         select = client.policy.select
         dropped = []
-        on_batch = router._on_batch
+        on_batch = router.events._on_batch
 
         def lossy(feed, seq, batch):  # lose the first batch that arrives while armed
             if not dropped:
@@ -226,7 +233,7 @@ def test_a_gap_in_event_numbers_triggers_a_resync(workers):
                 return
             on_batch(feed, seq, batch)
 
-        router._on_batch = lossy
+        router.events._on_batch = lossy
         dumped = set()
         try:
             for n, record in enumerate(await client.endpoint.wait_for_instances(2)):
@@ -239,7 +246,7 @@ def test_a_gap_in_event_numbers_triggers_a_resync(workers):
                 await generate(client, f"lost-{n}", lost_prompt)
                 await wait_for(lambda: dropped)
                 lost = route_hashes(lost_prompt, BLOCK)
-                assert router.indexer.overlaps(lost) == {}
+                assert router.overlaps(lost) == {}
                 # The next batch from that worker shows the gap; the router fetches a dump.
                 before = router.metrics.resyncs.labels("gap")._value.get()
                 await generate(client, f"after-{n}", prompt_of(70 + n, 5 * BLOCK))
@@ -253,8 +260,8 @@ def test_a_gap_in_event_numbers_triggers_a_resync(workers):
                 rebuilt = KvIndexer()  # the dump's blocks, as the router applies them
                 rebuilt.load_dump(worker, truth.events)
                 assert rebuilt.num_blocks(worker) >= 10
-                await wait_for(lambda w=worker, r=rebuilt: router.indexer.blocks(w) >= r.blocks(w))
-                assert router.indexer.overlaps(lost) == {worker: 5}
+                await wait_for(lambda w=worker, r=rebuilt: blocks_of(router, w) >= r.blocks(w))
+                assert router.overlaps(lost) == {worker: 5}
             # a dump in each format: router hashes, and BlockStored events with tokens
             assert dumped == {frozenset({"RouteHashesStored"}), frozenset({"BlockStored"})}
         finally:
@@ -281,8 +288,8 @@ def test_a_dead_worker_is_dropped_from_the_index(workers):
             procs[1].send_signal(signal.SIGKILL)
             await wait_for(lambda: len(router._feeds) == 1, timeout=30)
             (victim,) = before - set(router._feeds)
+            await wait_for(lambda: victim not in router.indexer.workers())  # the event thread
             assert router.indexer.num_blocks(victim) == 0
-            assert victim not in router.indexer.workers()
             _, n = await generate(client, "survivor", prompt_of(100, 3 * BLOCK))
             assert n == 2
         finally:

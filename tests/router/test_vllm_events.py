@@ -189,7 +189,7 @@ def test_router_indexes_a_vllm_workers_events(hash_kind):
             pub.publish(
                 BlockStored(names[4:], names[3], prompt[4 * BLOCK : 6 * BLOCK], BLOCK, None, "GPU")
             )
-            await wait_for(lambda: router.indexer.overlaps(mine) == {"vllm-0": 6})
+            await wait_for(lambda: router.overlaps(mine) == {"vllm-0": 6})
 
             request = EngineRequest(
                 request_id="r", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=1)
@@ -198,15 +198,15 @@ def test_router_indexes_a_vllm_workers_events(hash_kind):
             assert router.metrics.cached_blocks._value.get() == 6
             router.finished("r")
             other = route_hashes([prompt[0] + 1, *prompt[1:]], BLOCK)
-            assert router.indexer.overlaps(other) == {}
+            assert router.overlaps(other) == {}
 
             pub.publish(BlockRemoved([names[4]], "GPU"))
-            await wait_for(lambda: router.indexer.overlaps(mine) == {"vllm-0": 4})
+            await wait_for(lambda: router.overlaps(mine) == {"vllm-0": 4})
             pub.publish(BlockRemoved([names[0]], "CPU"))  # another tier: the GPU copy stays
             pub.publish(BlockRemoved([names[3]], "GPU"))
-            await wait_for(lambda: router.indexer.overlaps(mine) == {"vllm-0": 3})
+            await wait_for(lambda: router.overlaps(mine) == {"vllm-0": 3})
             pub.publish(AllBlocksCleared())
-            await wait_for(lambda: router.indexer.overlaps(mine) == {})
+            await wait_for(lambda: router.overlaps(mine) == {})
             assert router.indexer.num_blocks("vllm-0") == 0
             await router.close()
         pub.sock.close()
