@@ -31,8 +31,8 @@ from shoal.runtime.event_plane import EventCheck, subscriber_socket
 log = logging.getLogger(__name__)
 
 # Batches read from one worker's socket at a time: the other workers' sockets and the
-# commands get their turn after that many, and the lock is let go in between. What a round
-# of the sockets queued is flushed at its end, so lookups on the loop find it applied.
+# commands get their turn after that many. What a round of the sockets queued is flushed
+# at its end, so lookups on the loop find it applied.
 BATCHES_PER_TURN = 16
 RECEIVE_HWM = 10_000  # batches ZMQ holds per worker before the publisher's own limit applies
 
@@ -148,27 +148,24 @@ class KvEventThread:
                 log.exception("KV events: a command failed")
 
     def _read(self, feed: _Feed) -> None:
-        """Up to BATCHES_PER_TURN of the worker's batches, checked, then applied together."""
-        batches: list[tuple[int, KVEventBatch]] = []
-        check = self._check
+        """Up to BATCHES_PER_TURN of the worker's batches, each checked and applied under the
+        lock on its own (a lookup waits for one batch at most)."""
+        check, lock = self._check, self.lock
         for _ in range(BATCHES_PER_TURN):
             try:
                 frames = feed.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                break
+                return
             checked = check.frames(frames)
             event = check.event(checked) if checked is not None else None
-            if event is not None:
-                batches.append((event.seq, event.message))
-        if not batches:
-            return
-        try:
-            with self.lock:
-                for seq, batch in batches:
-                    self._on_batch(feed, seq, batch)
-        except Exception:
-            log.exception("KV events of worker %s: a batch failed; resyncing", feed.worker)
-            self._resync(feed, "error")
+            if event is None:
+                continue
+            try:
+                with lock:
+                    self._on_batch(feed, event.seq, event.message)
+            except Exception:
+                log.exception("KV events of worker %s: a batch failed; resyncing", feed.worker)
+                self._resync(feed, "error")
 
     def _on_batch(self, feed: _Feed, seq: int, batch: KVEventBatch) -> None:
         if feed.resyncing:
