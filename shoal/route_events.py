@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import filterfalse, repeat
 from operator import is_not
@@ -46,6 +46,8 @@ from shoal.protocol import (
 log = logging.getLogger(__name__)
 
 _not_none = partial(is_not, None)
+# route_hash_runs(token_ids, block_size, parents, lengths, extras), or a twin of it
+HashRuns = Callable[..., np.ndarray]
 
 
 class Change(NamedTuple):
@@ -192,9 +194,10 @@ class _Wave:
         self.lengths.append(len(event.block_hashes))
         self.extras.append(route_extra(extra))
 
-    def hashes(self) -> list[int]:
-        """The router hashes of the wave's blocks, in order."""
-        return route_hash_runs(
+    def hashes(self, hash_runs: HashRuns) -> list[int]:
+        """The router hashes of the wave's blocks, in order (hash_runs: route_hash_runs or
+        a twin of it)."""
+        return hash_runs(
             self.tokens,
             self.block_size,
             np.array(self.parents, np.uint64),
@@ -206,9 +209,12 @@ class _Wave:
 class EventTranslator:
     """One worker's KV events (vLLM's format) -> Changes to the router's index."""
 
-    def __init__(self, worker_id: str = "") -> None:
-        """worker_id: named in the log lines about events skipped."""
+    def __init__(self, worker_id: str = "", hash_runs: HashRuns = route_hash_runs) -> None:
+        """worker_id: named in the log lines about events skipped. hash_runs: what re-hashes
+        the stored blocks' tokens (kv_hash.route_hash_runs, or its compiled twin in a
+        router: shoal.router.hash_kernel)."""
         self.worker_id = worker_id
+        self.hash_runs = hash_runs
         self.gpu = RouteKeys()
         self.lower = RouteKeys()  # host memory and disk (events with another `medium`)
 
@@ -294,11 +300,10 @@ class EventTranslator:
         found = self.gpu.router_of.get(parent)
         return self.lower.router_of.get(parent) if found is None else found
 
-    @staticmethod
     def _store(
-        keys: RouteKeys, wave: _Wave, changes: list[Change], lower: bool, medium: str | None
+        self, keys: RouteKeys, wave: _Wave, changes: list[Change], lower: bool, medium: str | None
     ) -> None:
-        for held, hashes in keys.store(wave.hashes(), wave.engine):
+        for held, hashes in keys.store(wave.hashes(self.hash_runs), wave.engine):
             changes.append(Change(held, hashes, lower, medium))
 
 

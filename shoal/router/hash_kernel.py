@@ -1,11 +1,12 @@
-"""The router's prompt hash (kv_hash.route_hashes) as one compiled loop.
+"""The router's hashes (kv_hash.route_hashes, kv_hash.route_hash_runs) as compiled loops.
 
 kv_hash computes the router's hashes in numpy passes over a prompt's words, which every
 process can run (workers hash their own KV events with it). A KV router hashes every
-prompt it routes, so there the same arithmetic runs as one loop compiled with numba, a
-block at a time: each word times its key and xor-shifted, summed, the extra key xored in,
-finalised, then chained (r_i = r_{i-1} * P + c_i). 0.026 against 0.123 ms for a
-131k-token prompt (dev VM). The two must agree bit for bit: tests/router/test_hash_kernel.py.
+prompt it routes, and the token ids of every vLLM-format event it applies, so there the
+same arithmetic runs as one loop compiled with numba, a block at a time: each word times
+its key and xor-shifted, summed, the extra key xored in, finalised, then chained
+(r_i = r_{i-1} * P + c_i). 0.026 against 0.123 ms for a 131k-token prompt (dev VM). The
+two must agree bit for bit: tests/router/test_hash_kernel.py.
 """
 
 from __future__ import annotations
@@ -51,6 +52,36 @@ def chain(words, keys, parent, extra, out) -> None:
         out[block] = chained
 
 
+@cached_njit
+def chain_runs(words, keys, parents, lengths, extras, out) -> None:
+    """chain() for runs of blocks laid end to end: run k, lengths[k] blocks, chained from
+    parents[k] with the extra key extras[k]."""
+    width = len(keys)
+    first = 0
+    for k in range(len(lengths)):
+        last = first + lengths[k]
+        chain(words[first * width : last * width], keys, parents[k], extras[k], out[first:last])
+        first = last
+
+
+def route_hash_runs(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    parents: np.ndarray,
+    lengths: np.ndarray,
+    extras: np.ndarray | None = None,
+) -> np.ndarray:
+    """kv_hash.route_hash_runs(token_ids, block_size, parents, lengths, extras)."""
+    n = int(lengths.sum())
+    out = np.empty(n, np.uint64)
+    if n:
+        words = route_words(token_ids, n, block_size)
+        if extras is None:
+            extras = np.zeros(len(lengths), np.uint64)
+        chain_runs(words, route_word_keys(block_size), parents, lengths, extras, out)
+    return out
+
+
 def route_hashes(
     token_ids: Sequence[int] | np.ndarray, block_size: int, extra: bytes = b""
 ) -> np.ndarray:
@@ -66,11 +97,14 @@ def route_hashes(
 
 def _compile() -> None:
     """Hash once for each kind of words callers pass (u64 pairs or u32 tokens, read-only
-    when read in place from a packed array), so none compiles on a first request."""
+    when read in place from a packed array; an event's tokens are never read in place), so
+    none compiles on a first request or event."""
     tokens, keys, root = np.arange(1, 9, dtype=np.uint32), route_word_keys(2), np.uint64(1)
     for words in (tokens, tokens.view("<u8")):
         for view in (words, np.frombuffer(words.tobytes(), words.dtype)):
             chain(view, keys, root, np.uint64(0), np.empty(1, np.uint64))
+        one = np.ones(1, np.uint64)
+        chain_runs(words, keys, one, np.ones(1, np.int64), one, np.empty(1, np.uint64))
 
 
 _compile()

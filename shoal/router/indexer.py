@@ -5,7 +5,8 @@ whatever hash the engine that cached it uses. A shoal worker publishes the route
 starts and stops holding (RouteHashesStored, RouteHashesRemoved: it runs the translation of
 shoal.route_events itself), which are queued as they come; any other worker's events
 (vLLM's format) go through an EventTranslator here, one per worker, which re-hashes each
-BlockStored's token ids and reads BlockRemoved events through its map of engine hashes.
+BlockStored's token ids (with the compiled twin of the hash, shoal.router.hash_kernel) and
+reads BlockRemoved events through its map of engine hashes.
 
 Router hashes are chained, so one hash names its block and its whole prefix: the index is a
 flat table from hash to block id (shoal.router.block_table), and per block id a bit
@@ -47,7 +48,7 @@ from shoal.protocol import (
     RouteHashesStored,
 )
 from shoal.route_events import Change, EventTranslator
-from shoal.router import table_kernels
+from shoal.router import hash_kernel, table_kernels
 from shoal.router.block_table import BlockTable
 
 FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a lookup
@@ -321,7 +322,9 @@ class KvIndexer:
         translator = self._translators.get(worker_id)
         if translator is None:
             self._known(worker_id)
-            translator = self._translators[worker_id] = EventTranslator(worker_id)
+            translator = self._translators[worker_id] = EventTranslator(
+                worker_id, hash_kernel.route_hash_runs
+            )
         return translator
 
     def _apply_changes(self, worker_id: str, changes: list[Change]) -> None:
