@@ -19,10 +19,13 @@ timer wake-up (mocker/pacing.py); the bench times that on a thread of its own, a
 worker's engine thread paces (mocker_step_overshoot_ms, p50 of 50 steps), and the _net
 figures take it off as well: what the serving path adds to the steps the engine really
 took. `--engine real` puts the engine on the GPU instead (random weights of a Llama-3.1-8B
-shape, a 4,096-word vocabulary), for --trace's breakdown with real steps; in latency mode
-it first runs the same streams through the same engine alone (AsyncLLM in a process of its
-own, engine_ttft_p50_ms and engine_itl_p50_ms), and TTFT and ITL added are the serving
-path's figures less those.
+shape, a 4,096-word vocabulary), for --trace's breakdown with real steps. In latency mode
+the bench first runs the same streams through the same engine alone (AsyncLLM in a process
+of its own: the GPU engine, or a MockEngine whose steps take --step-ms;
+engine_ttft_p50_ms and engine_itl_p50_ms). With the real engine TTFT and ITL added are the
+serving path's figures less those; with the mocker, ttft_added_over_engine_ms and
+itl_added_over_engine_ms are (the engine thread's hand-offs, which the _net figures count
+as the serving path's, then count as the engine's, as they do for the real engine).
 ceiling: --concurrency streams for --duration seconds with --step-ms 0: the tokens/s one
 frontend process (or N) delivers to clients, with the CPU seconds each process used (from
 /proc), so the frontend's tokens per CPU-second say what it would reach on a core of its
@@ -312,23 +315,31 @@ async def burst(port: int, args: argparse.Namespace) -> dict:
 
 def engine_alone(model: Path, args: argparse.Namespace) -> dict[str, float]:
     """The same streams through the same engine with no serving path: AsyncLLM in a process
-    of its own, as the worker runs it (random weights, default engine settings, the API's
-    sampling defaults with ignore_eos), the prompt tokenized as the frontend does; TTFT
-    (from generate to the first output) and ITL p50 in ms."""
+    of its own, as the worker runs it (random weights, or the mocker at --step-ms; default
+    engine settings, the API's sampling defaults with ignore_eos), the prompt tokenized as
+    the frontend does; TTFT (from generate to the first output) and ITL p50 in ms."""
     import multiprocessing
 
     prompt = request_prompt(args.prompt_words)
     streams = (args.warmup, args.requests, args.max_tokens, args.gap_ms)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_engine_alone, (str(model), prompt, *streams))
+        return pool.apply(_engine_alone, (str(model), args.step_ms, prompt, *streams))
 
 
 def _engine_alone(
-    model: str, prompt: str, warmup: int, requests: int, max_tokens: int, gap_ms: float
+    model: str,
+    step_ms: float | None,
+    prompt: str,
+    warmup: int,
+    requests: int,
+    max_tokens: int,
+    gap_ms: float,
 ) -> dict[str, float]:
     from shoal.engine.async_llm import AsyncLLM
     from shoal.engine.config import EngineConfig
     from shoal.engine.llm_engine import LLMEngine
+    from shoal.mocker.engine import MockEngine
+    from shoal.mocker.timing import TimingModel
     from shoal.protocol import EngineRequest, SamplingParams
     from shoal.tokenizer.tokenizer import TextTokenizer
 
@@ -350,7 +361,12 @@ def _engine_alone(
                 itl.extend(b - a for a, b in itertools.pairwise(times))
         return ttft, itl
 
-    llm = AsyncLLM(LLMEngine(EngineConfig(model=model, load_format="dummy")))
+    if step_ms is None:
+        engine = LLMEngine(EngineConfig(model=model, load_format="dummy"))
+    else:  # every step step_ms, as the bench's mocker workers run
+        zero = dict.fromkeys((f.replace("-", "_") for f in TIMING), 0.0)
+        engine = MockEngine(EngineConfig(model=model), TimingModel(base_ms=step_ms, **zero))
+    llm = AsyncLLM(engine)
     try:
         ttft, itl = asyncio.run(streams(llm))
     finally:
@@ -508,7 +524,7 @@ def main() -> None:
     load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="shoal-frontend-bench-"))
     model = make_model_dir(work / "model")
-    alone = engine_alone(model, args) if args.engine == "real" and latency_mode else {}
+    alone = engine_alone(model, args) if latency_mode else {}
     deployment = Deployment(args, work, model)
     try:
         if latency_mode:
@@ -521,8 +537,11 @@ def main() -> None:
         deployment.stop()
     if alone:
         figures |= alone
-        figures["ttft_added_ms"] = figures["ttft_p50_ms"] - alone["engine_ttft_p50_ms"]
-        figures["itl_added_ms"] = figures["itl_p50_ms"] - alone["engine_itl_p50_ms"]
+        # the real engine: ttft_added_ms; the mocker keeps ttft_added_ms (over --step-ms)
+        # and adds the same figure over the mocker alone
+        suffix = "added_ms" if args.engine == "real" else "added_over_engine_ms"
+        figures[f"ttft_{suffix}"] = figures["ttft_p50_ms"] - alone["engine_ttft_p50_ms"]
+        figures[f"itl_{suffix}"] = figures["itl_p50_ms"] - alone["engine_itl_p50_ms"]
     record = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         **provenance(),
