@@ -2,15 +2,18 @@
 
 The thread owns each followed worker's KV-event subscription (a ZMQ SUB socket), reads its
 batches as they come, checks their numbers and applies them to the router's index. Every
-read and write of the index, here or on the loop (a routing decision), holds `lock`. The
-index's flush lets go of the GIL (shoal.router.table_kernels), so the loop goes on serving
-streams while batches are applied and waits only when it routes at that moment.
+read and write of the index, here or on the loop (a routing decision), holds `lock`, taken
+here for one batch at a time. The loop runs between batches (the thread hands it the GIL
+at least every switch interval) and while the index's flush runs (the kernel lets go of
+the GIL, shoal.router.table_kernels), and waits for the lock only when it routes then.
 
 Batches are numbered per worker in the frame before them. While a dump of the worker's
 cache is awaited (the worker was just followed, or its numbers jumped) the batches that
-arrive are held; once the dump is applied, those numbered after it are. Fetching a dump is
-the loop's work (the request plane runs on asyncio): the thread asks for one with
-`request_resync(worker, reason)` and the loop hands it over with `resynced`.
+arrive are held; once the dump is applied (under the lock at once: the worker's blocks are
+replaced in one step), those numbered after it are. A batch the index fails on brings a
+dump too. Fetching a dump is the loop's work (the request plane runs on asyncio): the
+thread asks for one with `request_resync(worker, reason)` and the loop hands it over with
+`resynced`.
 """
 
 from __future__ import annotations
