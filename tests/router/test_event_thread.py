@@ -189,3 +189,28 @@ def test_forgetting_a_worker_drops_it_and_its_subscription(harness, publisher):
         assert "a" not in harness.indexer.workers()
     finally:
         other.close()
+
+
+def test_a_batch_the_index_fails_on_brings_a_dump(harness, publisher):
+    harness.thread.follow("w", publisher.address)
+    publisher.wait_for_subscriber()
+    harness.thread.resynced("w", KVStateDump(worker_id="w", seq=0, block_size=16, events=[]))
+    traced = harness.indexer.apply_batch
+    failures = []
+
+    def failing_once(worker, events):
+        if not failures:
+            failures.append(worker)
+            raise RuntimeError("the index broke")
+        traced(worker, events)
+
+    harness.indexer.apply_batch = failing_once
+    publisher.send(1, stored(1))
+    wait_until(lambda: harness.asked == [("w", "error")])
+    publisher.send(2, stored(2))  # held until the dump
+    time.sleep(0.1)
+    assert harness.overlaps(1, 2) == {}
+    harness.thread.resynced(
+        "w", KVStateDump(worker_id="w", seq=1, block_size=16, events=[stored(1)])
+    )
+    wait_until(lambda: harness.overlaps(1, 2) == {"w": 2})
