@@ -3,14 +3,16 @@
 The thread owns each followed worker's KV-event subscription (a ZMQ SUB socket), reads its
 batches as they come, checks their numbers and applies them to the router's index. Every
 read and write of the index, here or on the loop (a routing decision), holds `lock`, taken
-here for one batch at a time. The loop runs between batches (the thread hands it the GIL
-at least every switch interval) and while the index's flush runs (the kernel lets go of
-the GIL, shoal.router.table_kernels), and waits for the lock only when it routes then.
+here for one batch at a time and not while a batch's vLLM-format events are re-hashed
+(KvIndexer.translate: each worker's translator is this thread's alone). The loop runs
+between batches (the thread hands it the GIL at least every switch interval) and while
+the index's flush runs (the kernel lets go of the GIL, shoal.router.table_kernels), and
+waits for the lock only when it routes then.
 
 Batches are numbered per worker in the frame before them. While a dump of the worker's
 cache is awaited (the worker was just followed, or its numbers jumped) the batches that
 arrive are held; once the dump is applied (under the lock at once: the worker's blocks are
-replaced in one step), those numbered after it are. A batch the index fails on brings a
+replaced in one step), those numbered after it are, one by one. A batch the index fails on brings a
 dump too. Fetching a dump is the loop's work (the request plane runs on asyncio): the
 thread asks for one with `request_resync(worker, reason)` and the loop hands it over with
 `resynced`.
@@ -153,7 +155,7 @@ class KvEventThread:
     def _read(self, feed: _Feed) -> None:
         """Up to BATCHES_PER_TURN of the worker's batches, each checked and applied under the
         lock on its own (a lookup waits for one batch at most)."""
-        check, lock = self._check, self.lock
+        check = self._check
         for _ in range(BATCHES_PER_TURN):
             try:
                 frames = feed.sock.recv_multipart(zmq.NOBLOCK)
@@ -164,8 +166,7 @@ class KvEventThread:
             if event is None:
                 continue
             try:
-                with lock:
-                    self._on_batch(feed, event.seq, event.message)
+                self._on_batch(feed, event.seq, event.message)
             except Exception:
                 log.exception("KV events of worker %s: a batch failed; resyncing", feed.worker)
                 self._resync(feed, "error")
@@ -180,9 +181,17 @@ class KvEventThread:
             self._resync(feed, "gap")
             feed.pending.append((seq, batch))
         else:
-            self.indexer.apply_batch(feed.worker, batch.events)
+            self._apply(feed.worker, batch.events)
             self.metrics.events_applied.inc(len(batch.events))
             feed.seq = seq
+
+    def _apply(self, worker: str, events: list, fresh: bool = False) -> None:
+        """Translate the events outside the lock (a worker's translator is this thread's
+        alone: vLLM-format tokens are re-hashed while lookups go on), then apply them under
+        it; fresh: a dump, replacing what the index has of the worker."""
+        translated = self.indexer.translate(worker, events, fresh)
+        with self.lock:
+            self.indexer.apply_translated(worker, translated, fresh)
 
     def _resync(self, feed: _Feed, reason: str) -> None:
         if not feed.resyncing:
@@ -212,11 +221,10 @@ class KvEventThread:
         if feed is None:
             return
         pending, feed.pending = feed.pending, []
-        with self.lock:
-            self.indexer.load_dump(worker, dump.events)
-            feed.seq, feed.resyncing = dump.seq, False
-            for seq, batch in pending:
-                self._on_batch(feed, seq, batch)
+        self._apply(worker, dump.events, fresh=True)
+        feed.seq, feed.resyncing = dump.seq, False
+        for seq, batch in pending:
+            self._on_batch(feed, seq, batch)
 
     def _end(self) -> None:
         self._running = False

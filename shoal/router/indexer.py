@@ -162,7 +162,19 @@ class KvIndexer:
     def apply_batch(self, worker_id: str, events: Iterable[KVEvent]) -> None:
         """Apply a batch in order: router hashes are queued as they come; runs of
         vLLM-format events go through the worker's translator."""
-        self._known(worker_id)  # a worker is known from its first event on
+        self.apply_translated(worker_id, self.translate(worker_id, events))
+
+    def translate(
+        self, worker_id: str, events: Iterable[KVEvent], fresh: bool = False
+    ) -> list[KVEvent | list[Change]]:
+        """The batch as apply_translated takes it: runs of vLLM-format events as the Changes
+        the worker's translator makes of them (their tokens re-hashed), the rest as they
+        are. Only the worker's translator changes here (a thread applying one worker's
+        events may run this outside the lock lookups take); fresh: it starts from nothing
+        first (a dump)."""
+        if fresh and worker_id in self._translators:
+            self._translators[worker_id].clear()
+        translated: list[KVEvent | list[Change]] = []
         foreign: list[KVEvent] = []
         for event in events:
             kind = type(event)
@@ -170,16 +182,33 @@ class KvIndexer:
                 foreign.append(event)
                 continue
             if foreign:
-                self._apply_changes(worker_id, self._translator(worker_id).translate(foreign))
+                translated.append(self._translator(worker_id).translate(foreign))
                 foreign = []
-            if kind is AllBlocksCleared:
-                self.clear(worker_id)
-                continue
-            index = self if event.medium in GPU_MEDIA else self.lower
-            if index is not None and event.route_hashes:
-                index._queue_bytes(worker_id, event.route_hashes, kind is RouteHashesStored)
+            if kind is AllBlocksCleared and worker_id in self._translators:
+                self._translators[worker_id].clear()
+            translated.append(event)
         if foreign:
-            self._apply_changes(worker_id, self._translator(worker_id).translate(foreign))
+            translated.append(self._translator(worker_id).translate(foreign))
+        return translated
+
+    def apply_translated(
+        self, worker_id: str, translated: list[KVEvent | list[Change]], fresh: bool = False
+    ) -> None:
+        """Apply a batch of `translate`, in order; fresh: what the index knows of the worker
+        is dropped first (a dump: translated with fresh too)."""
+        if fresh:
+            self._clear_bits(worker_id)
+        self._known(worker_id)  # a worker is known from its first event on
+        for item in translated:
+            kind = type(item)
+            if kind is list:
+                self._apply_changes(worker_id, item)
+            elif kind is AllBlocksCleared:
+                self._clear_bits(worker_id)
+            else:
+                index = self if item.medium in GPU_MEDIA else self.lower
+                if index is not None and item.route_hashes:
+                    index._queue_bytes(worker_id, item.route_hashes, kind is RouteHashesStored)
         self._flush_if_full()
 
     def store(
@@ -191,12 +220,14 @@ class KvIndexer:
         """Record that `worker_id` holds these blocks (router hashes), which its engine calls
         `engine_hashes` (the same if None); storing a held engine block again is a no-op."""
         keys = block_hashes if type(block_hashes) is list else list(block_hashes)
+        self._known(worker_id)
         for held, changed in self._translator(worker_id).gpu.store(keys, engine_hashes):
             self._change(worker_id, changed, held)
         self._flush_if_full()
 
     def remove(self, worker_id: str, engine_hashes: Iterable[EngineBlockHash]) -> None:
         """Forget these blocks (by the engine's hashes); blocks not held are ignored."""
+        self._known(worker_id)
         self._change(worker_id, self._translator(worker_id).gpu.remove(engine_hashes), False)
         self._flush_if_full()
 
@@ -217,8 +248,7 @@ class KvIndexer:
     def load_dump(self, worker_id: str, events: Iterable[KVEvent]) -> None:
         """Replace all that is known of `worker_id` with what these events store (a resync:
         KVStateDump.events)."""
-        self.clear(worker_id)
-        self.apply_batch(worker_id, events)
+        self.apply_translated(worker_id, self.translate(worker_id, events, fresh=True), True)
 
     def remove_worker(self, worker_id: str) -> None:
         self._forget(worker_id)
@@ -321,7 +351,6 @@ class KvIndexer:
     def _translator(self, worker_id: str) -> EventTranslator:
         translator = self._translators.get(worker_id)
         if translator is None:
-            self._known(worker_id)
             translator = self._translators[worker_id] = EventTranslator(
                 worker_id, hash_kernel.route_hash_runs
             )

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import zmq
 
+from shoal.kv_hash import route_hashes
 from shoal.protocol import (
     KV_EVENTS_TOPIC,
+    BlockStored,
     KVEventBatch,
     KVStateDump,
     RouteHashesRemoved,
@@ -82,13 +84,13 @@ class Harness:
         self.metrics = RouterMetrics()
         self.asked: list[tuple[str, str]] = []
         self.appliers: set[str] = set()
-        apply_batch = self.indexer.apply_batch
+        apply_translated = self.indexer.apply_translated
 
-        def traced(worker, events):
+        def traced(worker, translated, fresh=False):
             self.appliers.add(threading.current_thread().name)
-            apply_batch(worker, events)
+            apply_translated(worker, translated, fresh)
 
-        self.indexer.apply_batch = traced
+        self.indexer.apply_translated = traced
         self.thread = KvEventThread(
             self.indexer,
             self.lock,
@@ -195,16 +197,16 @@ def test_a_batch_the_index_fails_on_brings_a_dump(harness, publisher):
     harness.thread.follow("w", publisher.address)
     publisher.wait_for_subscriber()
     harness.thread.resynced("w", KVStateDump(worker_id="w", seq=0, block_size=16, events=[]))
-    traced = harness.indexer.apply_batch
+    traced = harness.indexer.apply_translated
     failures = []
 
-    def failing_once(worker, events):
+    def failing_once(worker, translated, fresh=False):
         if not failures:
             failures.append(worker)
             raise RuntimeError("the index broke")
-        traced(worker, events)
+        traced(worker, translated, fresh)
 
-    harness.indexer.apply_batch = failing_once
+    harness.indexer.apply_translated = failing_once
     publisher.send(1, stored(1))
     wait_until(lambda: harness.asked == [("w", "error")])
     publisher.send(2, stored(2))  # held until the dump
@@ -214,3 +216,25 @@ def test_a_batch_the_index_fails_on_brings_a_dump(harness, publisher):
         "w", KVStateDump(worker_id="w", seq=1, block_size=16, events=[stored(1)])
     )
     wait_until(lambda: harness.overlaps(1, 2) == {"w": 2})
+
+
+def test_vllm_format_events_are_rehashed_outside_the_lock(harness, publisher):
+    """A lookup waits for no re-hashing of tokens: the thread translates a batch before it
+    takes the lock, then applies it under the lock."""
+    translate = harness.indexer.translate
+    locked_while_translating = []
+
+    def traced(worker, events, fresh=False):
+        locked_while_translating.append(harness.lock.locked())
+        return translate(worker, events, fresh)
+
+    harness.indexer.translate = traced
+    tokens = list(range(100, 132))
+    harness.thread.follow("w", publisher.address)
+    publisher.wait_for_subscriber()
+    harness.thread.resynced("w", KVStateDump(worker_id="w", seq=0, block_size=16, events=[]))
+    publisher.send(1, BlockStored([7, 8], None, tokens, 16, None, "GPU"))
+    hashes = route_hashes(tokens, 16)
+    wait_until(lambda: harness.overlaps(*hashes.tolist()) == {"w": 2})
+    assert locked_while_translating == [False, False]  # the dump, then the batch
+    assert harness.appliers == {"kv-events"}
