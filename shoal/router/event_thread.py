@@ -119,7 +119,8 @@ class KvEventThread:
 
     def _post(self, command: Callable[[], None]) -> None:
         self._commands.append(command)
-        with contextlib.suppress(zmq.Again):  # wake-ups already queued: this one runs too
+        # wake-ups already queued (this one runs too), or the thread has ended (it never runs)
+        with contextlib.suppress(zmq.ZMQError):
             self._wake_out.send(b"", zmq.NOBLOCK)
 
     # ---- the thread
