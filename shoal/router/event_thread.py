@@ -222,10 +222,15 @@ class KvEventThread:
         if feed is None:
             return
         pending, feed.pending = feed.pending, []
-        self._apply(worker, dump.events, fresh=True)
-        feed.seq, feed.resyncing = dump.seq, False
-        for seq, batch in pending:
-            self._on_batch(feed, seq, batch)
+        try:
+            self._apply(worker, dump.events, fresh=True)
+            feed.seq, feed.resyncing = dump.seq, False
+            for seq, batch in pending:
+                self._on_batch(feed, seq, batch)
+        except Exception:
+            log.exception("KV events of worker %s: a dump failed; resyncing", worker)
+            feed.resyncing = False
+            self._resync(feed, "error")
 
     def _end(self) -> None:
         self._running = False

@@ -238,3 +238,23 @@ def test_vllm_format_events_are_rehashed_outside_the_lock(harness, publisher):
     wait_until(lambda: harness.overlaps(*hashes.tolist()) == {"w": 2})
     assert locked_while_translating == [False, False]  # the dump, then the batch
     assert harness.appliers == {"kv-events"}
+
+
+def test_a_dump_the_index_fails_on_asks_for_another(harness, publisher):
+    harness.thread.follow("w", publisher.address)
+    publisher.wait_for_subscriber()
+    translate = harness.indexer.translate
+
+    def failing_dumps(worker, events, fresh=False):
+        if fresh and not harness.asked:
+            raise RuntimeError("the dump is broken")
+        return translate(worker, events, fresh)
+
+    harness.indexer.translate = failing_dumps
+    harness.thread.resynced("w", KVStateDump(worker_id="w", seq=0, block_size=16, events=[]))
+    wait_until(lambda: harness.asked == [("w", "error")])
+    publisher.send(1, stored(1))  # held until a dump applies
+    time.sleep(0.1)
+    assert harness.overlaps(1) == {}
+    harness.thread.resynced("w", KVStateDump(worker_id="w", seq=0, block_size=16, events=[]))
+    wait_until(lambda: harness.overlaps(1) == {"w": 1})
