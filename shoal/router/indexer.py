@@ -172,8 +172,8 @@ class KvIndexer:
         are. Only the worker's translator changes here (a thread applying one worker's
         events may run this outside the lock lookups take); fresh: it starts from nothing
         first (a dump)."""
-        if fresh and worker_id in self._translators:
-            self._translators[worker_id].clear()
+        if fresh:
+            self._clear_translator(worker_id)
         translated: list[KVEvent | list[Change]] = []
         foreign: list[KVEvent] = []
         for event in events:
@@ -184,8 +184,8 @@ class KvIndexer:
             if foreign:
                 translated.append(self._translator(worker_id).translate(foreign))
                 foreign = []
-            if kind is AllBlocksCleared and worker_id in self._translators:
-                self._translators[worker_id].clear()
+            if kind is AllBlocksCleared:
+                self._clear_translator(worker_id)
             translated.append(event)
         if foreign:
             translated.append(self._translator(worker_id).translate(foreign))
@@ -233,10 +233,14 @@ class KvIndexer:
 
     def clear(self, worker_id: str) -> None:
         """Forget every block of `worker_id`, keeping the worker known (with no blocks)."""
+        self._clear_translator(worker_id)
+        self._clear_bits(worker_id)
+
+    def _clear_translator(self, worker_id: str) -> None:
+        """Empty the worker's translator's maps, if it has one (vLLM-format events)."""
         translator = self._translators.get(worker_id)
         if translator is not None:
             translator.clear()
-        self._clear_bits(worker_id)
 
     def _clear_bits(self, worker_id: str) -> None:
         """Clear the worker's bit from every block, in both tiers, keeping it known."""
