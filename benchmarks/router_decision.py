@@ -26,10 +26,13 @@ turnover of a full cache (a tenth of the index: the oldest copies evicted, each 
 a new prefix stored, so stores and removals share every flush and the blocks are new).
 The block table (hash -> id) is then timed alone turning over three times its size, a
 flush's worth of evictions and new blocks a step: nanoseconds per key operation over the
-whole run and its slowest step. Last, an index grows from empty to 2M blocks while stores
-arrive at a steady GROWTH_RATE block operations/s, GROWTH_BATCH a step, each step followed
-by a lookup as the loop would run it: the slowest steps and the p99 (what a growing index
-holds the loop for).
+whole run and its slowest step. A worker's dump is timed next, by the longest hold of the
+index's lock it takes (what a routing decision arriving then waits): reconciled a slice at a
+time, as the event thread applies it, against the whole dump applied in one step, for a
+resync (the worker's own blocks, 1% replaced) and for a worker that joins. Last, an index
+grows from empty to 2M blocks while stores arrive at a steady GROWTH_RATE block
+operations/s, GROWTH_BATCH a step, each step followed by a lookup as the loop would run it:
+the slowest steps and the p99 (what a growing index holds the loop for).
 
 It appends one record per (workers, prompt length) to
 benchmarks/results/router_decision.jsonl with provenance and the host's load average
@@ -104,6 +107,7 @@ FILLER_TOKENS = 1024  # tokens per filler prefix: 64 blocks
 EVENT_BLOCKS = 16  # blocks per BlockStored event, as an engine step stores a few at a time
 TURNOVER_STEP = 1024  # blocks evicted, then as many new ones stored, per step of the table's
 TURNOVER_PASSES = 3  # table turnover: the whole table evicted this many times over
+DUMP_CHANGED = 0.01  # share of a worker's blocks its resync dump replaces (dump_holds)
 GROWTH_BLOCKS = 2_000_000  # the growth: stores into an empty index, at a steady rate
 GROWTH_RATE = 1_000_000  # block operations per second
 GROWTH_BATCH = 2048  # stores a step
@@ -313,6 +317,50 @@ def growth_steps(rng: random.Random) -> dict:
     }
 
 
+class HoldTimer:
+    """Stands in for the event thread's lock: the duration of each hold."""
+
+    def __init__(self) -> None:
+        self.holds: list[float] = []
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.holds.append(time.perf_counter() - self._start)
+
+
+def dump_holds(index: KvIndexer, worker: str, rng: random.Random) -> dict:
+    """How long a worker's dump holds the index's lock (what a routing decision arriving
+    then waits): the dump of what `worker` holds with DUMP_CHANGED of it replaced (a resync
+    after a gap), reconciled a slice at a time, and the same blocks dumped for a worker the
+    index knew nothing of (one that joins: `worker` removed first); against both applied in
+    one step, as dumps were before (KvIndexer.apply_translated with fresh)."""
+    held = index.holdings(worker)[0]
+    changed = int(len(held) * DUMP_CHANGED)
+    new = np.random.default_rng(rng.getrandbits(32)).integers(
+        1, 2**63, changed, np.uint64, endpoint=False
+    )
+    dump = [RouteHashesStored(route_hashes=np.concatenate((held[changed:], new)).tobytes())]
+    figures: dict = {"dump_blocks": len(held)}
+    for case in ("resync", "join"):
+        for way in ("sliced", "one_step"):
+            if case == "join":
+                index.remove_worker(worker)  # its column is free, and taken again
+            timer = HoldTimer()
+            start = time.perf_counter()
+            if way == "sliced":
+                index.load_dump(worker, dump, timer)
+            else:
+                with timer:
+                    index.apply_translated(worker, index.translate(worker, dump, True), True)
+            with timer:
+                index.flush()  # what the index still queues: the event thread's round ends
+            figures[f"dump_{case}_{way}_longest_hold_ms"] = 1e3 * max(timer.holds)
+            figures[f"dump_{case}_{way}_ms"] = 1e3 * (time.perf_counter() - start)
+    return figures
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -416,8 +464,9 @@ def run(workers: int, prompt_lengths: list[int], indexed_blocks: int, budget: fl
                 **turnover,
             }
         )
+    dumps = dump_holds(router.indexer, names[0], rng)
     growth = growth_steps(random.Random(workers + 1))  # after the decisions: its threads
-    return [{**row, **growth} for row in rows]  # (preparing slots) do not run beside them
+    return [{**row, **dumps, **growth} for row in rows]  # (preparing slots) do not run beside them
 
 
 LAG_PROBE_S = 0.001  # the probe's sleep
@@ -724,6 +773,14 @@ def main() -> int:
                 f" {row['load_average_1m']:5.1f}",
                 flush=True,
             )
+        print(
+            f"{'':7} a dump of {row['dump_blocks']:,} blocks, longest lock hold (ms), sliced /"
+            f" one step: resync {row['dump_resync_sliced_longest_hold_ms']:.2f} /"
+            f" {row['dump_resync_one_step_longest_hold_ms']:.2f},"
+            f" join {row['dump_join_sliced_longest_hold_ms']:.2f} /"
+            f" {row['dump_join_one_step_longest_hold_ms']:.2f}",
+            flush=True,
+        )
     if not args.no_record:
         with RESULTS.open("a") as f:
             for row in rows:

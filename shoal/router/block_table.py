@@ -171,6 +171,13 @@ class BlockTable:
             self._spare = _EmptySlots(2 * len(self._slots))  # what the next growth makes
         return True
 
+    def await_growth(self) -> None:
+        """Wait for larger slots being built in a thread, if any, without taking them (the
+        next reserve does): a caller holding no lock lets lookups go on meanwhile."""
+        growth = self._growth
+        if growth is not None:
+            growth.join()
+
     @property
     def growing(self) -> bool:
         """Whether larger slots are being built in a thread (reserve(wait=False) said so)."""

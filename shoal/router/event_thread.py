@@ -11,10 +11,12 @@ waits for the lock only when it routes then.
 
 Batches are numbered per worker in the frame before them. While a dump of the worker's
 cache is awaited (the worker was just followed, or its numbers jumped) the batches that
-arrive are held; once the dump is applied (under the lock at once: the worker's blocks are
-replaced in one step), those numbered after it are, one by one. A batch the index fails on brings a
-dump too. Fetching a dump is the loop's work (the request plane runs on asyncio): the
-thread asks for one with `request_resync(worker, reason)` and the loop hands it over with
+arrive are held; once the dump is applied, those numbered after it are, one by one. A dump
+changes only what differs from the index's view of the worker, a slice at a time under the
+lock (KvIndexer.load_dump): a large cache does not hold routing up, and the blocks the
+worker kept stay indexed while it is reconciled. A batch the index fails on brings a dump
+too. Fetching a dump is the loop's work (the request plane runs on asyncio): the thread
+asks for one with `request_resync(worker, reason)` and the loop hands it over with
 `resynced`.
 """
 
@@ -186,13 +188,13 @@ class KvEventThread:
             self.metrics.events_applied.inc(len(batch.events))
             feed.seq = seq
 
-    def _apply(self, worker: str, events: list, fresh: bool = False) -> None:
+    def _apply(self, worker: str, events: list) -> None:
         """Translate the events outside the lock (a worker's translator is this thread's
         alone: vLLM-format tokens are re-hashed while lookups go on), then apply them under
-        it; fresh: a dump, replacing what the index has of the worker."""
-        translated = self.indexer.translate(worker, events, fresh)
+        it."""
+        translated = self.indexer.translate(worker, events)
         with self.lock:
-            self.indexer.apply_translated(worker, translated, fresh)
+            self.indexer.apply_translated(worker, translated)
 
     def _resync(self, feed: _Feed, reason: str) -> None:
         if not feed.resyncing:
@@ -223,7 +225,7 @@ class KvEventThread:
             return
         pending, feed.pending = feed.pending, []
         try:
-            self._apply(worker, dump.events, fresh=True)
+            self.indexer.load_dump(worker, dump.events, self.lock)
             feed.seq, feed.resyncing = dump.seq, False
             for seq, batch in pending:
                 self._on_batch(feed, seq, batch)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator, Sequence, Set
+from contextlib import AbstractContextManager, nullcontext
 from itertools import accumulate, groupby
 from operator import and_
 
@@ -56,6 +57,8 @@ FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a
 # far faster than a growth: the queue and the next growth stay bounded)
 MAX_DEFERRED_OPS = 1 << 18
 SHORT_PROMPT_BLOCKS = 96  # prompts up to this many blocks are looked up without numpy
+DUMP_SLICE_OPS = 8192  # block changes a dump applies per hold of the caller's lock (load_dump)
+DUMP_SCAN_ROWS = 1 << 18  # rows of the masks a dump reads per hold (KvIndexer.holdings)
 _DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
 
 
@@ -133,6 +136,44 @@ def _leading(words: list[np.ndarray], columns: _Columns) -> dict[str, int]:
     where, column = np.divmod(np.flatnonzero(bits.view(np.bool_)), 64 * len(words))
     names = columns.names
     return {names[c]: d for c, d in zip(column.tolist(), depth[where].tolist(), strict=True)}
+
+
+Tiers = tuple[np.ndarray, np.ndarray]  # router hashes (u64) in GPU memory, in the lower tiers
+_NO_KEYS = np.zeros(0, np.uint64)
+_UNSHARED = nullcontext()  # the lock of a caller that shares the index with no thread
+
+
+def dump_stores(translated: list[KVEvent | list[Change]]) -> Tiers | None:
+    """The router hashes a dump's events (as KvIndexer.translate gives them) store, per tier,
+    each once; None if they do more than store (a dump only stores what the worker holds)."""
+    tiers: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    for item in translated:
+        kind = type(item)
+        if kind is RouteHashesStored:
+            keys = np.frombuffer(item.route_hashes, "<u8").astype(np.uint64, copy=False)
+            tiers[item.medium not in GPU_MEDIA].append(keys)
+        elif kind is list:
+            for held, keys, lower, _medium in item:
+                if not held or keys is None:
+                    return None
+                tiers[lower].append(_u64(keys))
+        else:
+            return None
+    gpu, lower = (np.unique(np.concatenate(keys)) if keys else _NO_KEYS for keys in tiers)
+    return gpu, lower
+
+
+def resync_changes(held: Tiers, stored: Tiers) -> list[tuple[bool, np.ndarray, bool]]:
+    """The (lower tier, keys, now held) changes that take a worker from the blocks it `held`
+    to those it `stored`, per tier, in slices of at most DUMP_SLICE_OPS keys; removals first."""
+    changes = []
+    for lower, (before, after) in enumerate(zip(held, stored, strict=True)):
+        gone = np.setdiff1d(before, after, assume_unique=True)
+        new = np.setdiff1d(after, before, assume_unique=True)
+        for keys, now_held in ((gone, False), (new, True)):
+            for start in range(0, len(keys), DUMP_SLICE_OPS):
+                changes.append((bool(lower), keys[start : start + DUMP_SLICE_OPS], now_held))
+    return changes
 
 
 class KvIndexer:
@@ -249,10 +290,69 @@ class KvIndexer:
         if self.lower is not None:
             self.lower._clear_bits(worker_id)
 
-    def load_dump(self, worker_id: str, events: Iterable[KVEvent]) -> None:
+    def load_dump(
+        self,
+        worker_id: str,
+        events: Iterable[KVEvent],
+        lock: AbstractContextManager = _UNSHARED,
+    ) -> None:
         """Replace all that is known of `worker_id` with what these events store (a resync:
-        KVStateDump.events)."""
-        self.apply_translated(worker_id, self.translate(worker_id, events, fresh=True), True)
+        KVStateDump.events).
+
+        Only the difference from what the index holds of the worker changes, DUMP_SLICE_OPS
+        blocks at a time, each slice under `lock` (the event thread's: lookups run between
+        slices, and the blocks the worker kept stay indexed throughout); the re-hash and the
+        difference are computed without it. Events that do more than store are applied in
+        one step instead."""
+        translated = self.translate(worker_id, events, fresh=True)
+        stored = dump_stores(translated)
+        if stored is None:
+            with lock:
+                self.apply_translated(worker_id, translated, fresh=True)
+            return
+        if self.lower is None:
+            stored = stored[0], _NO_KEYS
+        self._await_growth()
+        held = self.holdings(worker_id, lock)
+        for lower, keys, now_held in resync_changes(held, stored):
+            index = self.lower if lower else self
+            index._table.await_growth()  # a growth is waited for here, not under the lock
+            with lock:
+                index._change(worker_id, keys, now_held)
+                index.flush(wait=False)
+
+    def _await_growth(self) -> None:
+        for index in (self, self.lower):
+            if index is not None:
+                index._table.await_growth()
+
+    def holdings(self, worker_id: str, lock: AbstractContextManager = _UNSHARED) -> Tiers:
+        """The router hashes `worker_id` holds, in GPU memory and in the lower tiers, read
+        DUMP_SCAN_ROWS rows of the masks per hold of `lock` (whoever calls this is the only
+        one changing the worker's blocks meanwhile; a tier that never heard of the worker is
+        not read); from here on the worker is known (a dump of nothing still names it)."""
+        with lock:
+            held = worker_id in self._held, self.lower is not None and worker_id in self.lower._held
+            self._known(worker_id)
+            column = self._columns.of[worker_id]
+        lower = self.lower._scan(column, lock) if held[1] else _NO_KEYS
+        return self._scan(column, lock) if held[0] else _NO_KEYS, lower
+
+    def _scan(self, column: int, lock: AbstractContextManager) -> np.ndarray:
+        """The router hashes whose mask has this column's bit, a part of the rows per hold."""
+        word, bit = column >> 6, np.uint64(1 << (column & 63))
+        parts = [_NO_KEYS]
+        start, rows = 0, 1
+        while start < rows:
+            with lock:
+                self.flush()
+                bits = self._bits
+                rows = len(bits) if word < bits.shape[1] else 0
+                if start < rows:
+                    masks = bits[start : start + DUMP_SCAN_ROWS, word]
+                    parts.append(self._table.key_of[np.flatnonzero(masks & bit) + start])
+            start += DUMP_SCAN_ROWS
+        return np.concatenate(parts)
 
     def remove_worker(self, worker_id: str) -> None:
         self._forget(worker_id)
@@ -330,8 +430,7 @@ class KvIndexer:
         column = self._columns.of.get(worker_id)
         if column is None or worker_id not in self._held:
             return frozenset()
-        self.flush()
-        return frozenset(self._table.key_of[self._column_ids(column)].tolist())
+        return frozenset(self._column_keys(column).tolist())
 
     def num_blocks(self, worker_id: str) -> int:
         return self._held.get(worker_id, 0)
@@ -398,11 +497,15 @@ class KvIndexer:
         if self._held.pop(worker_id, None) is None:
             return
         column = self._columns.of[worker_id]
-        self.flush()
-        ids = self._column_ids(column)
-        if len(ids):
-            self._queue(column, _le_bytes(self._table.key_of[ids]), len(ids), False)
+        keys = self._column_keys(column)
+        if len(keys):
+            self._queue(column, _le_bytes(keys), len(keys), False)
             self.flush()
+
+    def _column_keys(self, column: int) -> np.ndarray:
+        """The router hashes of the blocks whose mask has this column's bit (queue applied)."""
+        self.flush()
+        return self._table.key_of[self._column_ids(column)]
 
     def _column_ids(self, column: int) -> np.ndarray:
         """The ids of the blocks whose mask has this column's bit."""

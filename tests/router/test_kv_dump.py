@@ -83,6 +83,27 @@ def test_a_dump_rebuilds_what_the_events_built(seed):
     assert rebuilt.num_blocks("w") == 0
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_dump_over_a_stale_view_of_the_worker_ends_where_following_did(seed):
+    """A resync after a gap: the index followed the first half of the batches, the dump
+    covers them all; only the difference is applied (KvIndexer.load_dump)."""
+    batches, _ = engine_batches(seed)
+    cached, followed, stale = CachedBlocks(), KvIndexer(), KvIndexer()
+    for i, events in enumerate(batches):
+        cached.apply(events)
+        followed.apply_batch("w", events)
+        if i < len(batches) // 2:
+            stale.apply_batch("w", events)
+    assert set(stale.blocks("w")) != set(followed.blocks("w"))
+    stale.load_dump("w", cached.as_events())
+    held = set(followed.blocks("w"))
+    assert set(stale.blocks("w")) == held  # the translator's map
+    assert stale.num_blocks("w") == followed.num_blocks("w")
+    # and the masks a lookup reads: every held block, and no other
+    assert stale.num_distinct_blocks() == len(held)
+    assert all(stale.overlaps([h]) == {"w": 1} for h in held)
+
+
 def test_a_parent_cached_again_after_its_child_comes_first_in_the_dump():
     tokens = list(range(100, 112))  # three blocks of 4
     cached = CachedBlocks()
