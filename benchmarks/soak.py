@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import provenance
 from serving_bench import make_model_dir, word
 
+from shoal.bench.client import KEEPALIVE_S
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "soak.jsonl"
 MOVED = re.compile(r"request (\S+?)@\S+: worker \S+ failed \(.*\); (retrying|migration \d+)")
@@ -238,7 +240,13 @@ async def drive(args: argparse.Namespace, serve_pid: int, url: str) -> Run:
     run = Run(serve_pid, time.monotonic(), InFlight(), [], [], [])
     until = run.start + args.minutes * 60
     rng = random.Random(args.seed)
-    limits = httpx.Limits(max_connections=args.streams + 16, max_keepalive_connections=None)
+    # idle pooled connections are dropped before uvicorn closes its (5 s): a request sent on
+    # one the server is closing at that moment would be lost to the client, not to serve
+    limits = httpx.Limits(
+        max_connections=args.streams + 16,
+        max_keepalive_connections=None,
+        keepalive_expiry=KEEPALIVE_S,
+    )
     timeout = httpx.Timeout(30.0, read=args.read_timeout, pool=None)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
         clients = [

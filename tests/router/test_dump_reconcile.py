@@ -5,6 +5,7 @@ worker kept stay indexed throughout; a dump that does more than store is applied
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -121,3 +122,25 @@ def test_the_masks_are_read_a_part_per_hold(monkeypatch):
     assert sorted(gpu.tolist()) == list(range(1, 1000, 2))
     assert sorted(lower.tolist()) == list(range(5000, 5100))
     assert lock.holds >= 1 + 1000 // 128 + 1  # the GPU masks alone span 1,000 rows
+
+
+def test_lookups_from_another_thread_during_a_dump_find_the_kept_blocks(small_slices):
+    """The event thread's way: a dump reconciled under a real lock in one thread while
+    another looks prompts up under it; every lookup finds the blocks the worker keeps."""
+    rng = random.Random(7)
+    keys = rng.sample(range(1, 1 << 40), 6000)
+    kept, gone, new = keys[:2000], keys[2000:4000], keys[4000:]
+    index = KvIndexer()
+    index.apply("a", stored(kept + gone))
+    lock = threading.Lock()
+    dump = [stored(kept + new)]
+    loader = threading.Thread(target=index.load_dump, args=("a", dump, lock))
+    seen = []
+    loader.start()
+    while loader.is_alive() or not seen:
+        with lock:
+            seen.append(index.overlaps(kept[:50]))
+    loader.join()
+    assert all(found == {"a": 50} for found in seen)
+    assert set(index.blocks("a")) == set(kept + new)
+    assert index.overlaps(gone[:1]) == {}
