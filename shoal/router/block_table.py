@@ -11,11 +11,18 @@ the VMs measured, 0.1-0.4 s for a table of 1-2M keys), so a thread fills them wi
 slots once the table is _PREPARE_LOAD full (they are held from then on, twice the table's
 slots), and at _MAX_LOAD another rehashes the keys into them (reserve with `wait` False).
 Filling and the rehash kernel let go of the GIL: the event loop goes on meanwhile, reading
-the table as it was.
+the table as it was. The arrays indexed by id (key_of, slot_of, the ring of freed ids) are
+filled the same way once _PREPARE_IDS of their capacity is handed out (and the index's
+mask matrix for that capacity, shoal.router.indexer), so that their growth is a copy into
+memory already touched: 2.3-2.6 ms at most a step where it was 11-19 ms, on an index
+growing to 2M blocks (router_decision.py's growth, dev VM). One thread, started once, does
+all the filling (Prefilled): a thread started while another takes page faults waits
+milliseconds for the kernel's lock on the address space.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import numpy as np
@@ -39,6 +46,7 @@ from shoal.router.table_kernels import (
 _MIN_SLOTS = 1 << 12
 _MAX_LOAD = 0.4  # keys per slot above which the slots are doubled (and more)
 _PREPARE_LOAD = 0.3  # keys per slot from which the next slots are prepared in a thread
+_PREPARE_IDS = 0.75  # share of the id capacity handed out from which the next is prepared
 GROW_IN_THREAD_KEYS = 1 << 16  # from this many keys, slots are prepared and grown in threads
 _STRIDE = 32  # leading_ids: one key in this many is looked up in the slots
 _U64 = (1 << 64) - 1
@@ -54,17 +62,55 @@ def _slots_for(live: int) -> int:
     return max(_MIN_SLOTS, 1 << (4 * live).bit_length())
 
 
-class _EmptySlots(threading.Thread):
-    """`size` empty slots: allocated here, from the loop thread's malloc arena (where freed
-    slots are reused most), and first touched in the thread."""
+class _Filler(threading.Thread):
+    """The one thread that first-touches the arrays prepared for growths, one after another.
+    A thread started while another takes page faults waits milliseconds for the kernel's
+    lock on the address space, and so does whoever starts it: this one is started once."""
 
-    def __init__(self, size: int) -> None:
-        super().__init__(name="shoal-block-table-slots", daemon=True)
-        self.slots = np.empty((size, 2), np.int64)
+    def __init__(self) -> None:
+        super().__init__(name="shoal-block-table-prefill", daemon=True)
+        self.jobs: queue.SimpleQueue[Prefilled] = queue.SimpleQueue()
         self.start()
 
     def run(self) -> None:
-        self.slots.fill(EMPTY)  # every slot's id EMPTY (the keys are never read there)
+        while True:
+            job = self.jobs.get()
+            job.array.fill(job.fill)  # lets go of the GIL
+            job.filled.set()
+
+
+_filler: _Filler | None = None
+_filler_started = threading.Lock()
+
+
+def _the_filler() -> _Filler:
+    global _filler
+    with _filler_started:
+        if _filler is None:
+            _filler = _Filler()
+        return _filler
+
+
+class Prefilled:
+    """An array of `shape` filled with `fill`: allocated here, from the calling thread's
+    malloc arena (where freed arrays are reused most), and first touched by the filler
+    thread (the page faults of fresh memory cost far more than copying into it)."""
+
+    def __init__(self, shape: int | tuple[int, ...], dtype: type, fill: int) -> None:
+        self.array = np.empty(shape, dtype)
+        self.fill = fill
+        self.filled = threading.Event()
+        _the_filler().jobs.put(self)
+
+    def take(self) -> np.ndarray:
+        """The array, once filled."""
+        self.filled.wait()
+        return self.array
+
+
+def _empty_slots(size: int) -> Prefilled:
+    """`size` empty slots, filled in a thread (every slot's id EMPTY; keys are not read)."""
+    return Prefilled((size, 2), np.int64, EMPTY)
 
 
 class _Growth(threading.Thread):
@@ -78,22 +124,22 @@ class _Growth(threading.Thread):
         slot_of: np.ndarray,
         state: np.ndarray,
         live: int,
-        spare: _EmptySlots | None,
+        spare: Prefilled | None,
     ) -> None:
         super().__init__(name="shoal-block-table-growth", daemon=True)
         self.old, self.slot_of = old, slot_of
         size = _slots_for(live)
         self.state = state.copy()
         set_size(self.state, size)
-        self.empty = spare if spare is not None and len(spare.slots) == size else None
-        self.slots = self.empty.slots if self.empty is not None else np.empty((size, 2), np.int64)
+        self.empty = spare if spare is not None and len(spare.array) == size else None
+        self.slots = self.empty.array if self.empty is not None else np.empty((size, 2), np.int64)
         self.error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
         try:
             if self.empty is not None:
-                self.empty.join()
+                self.empty.take()
             else:
                 self.slots.fill(EMPTY)
             kernels.rehash(self.old, self.slots, self.slot_of, self.state)
@@ -118,7 +164,9 @@ class BlockTable:
         self._slot_of = np.full(_MIN_SLOTS // 2, -1, np.int64)  # block id -> its slot; -1: free
         self._free = np.zeros(_MIN_SLOTS // 2, np.int64)  # a ring of freed ids, oldest first
         self._growth: _Growth | None = None  # larger slots being built in a thread
-        self._spare: _EmptySlots | None = None  # empty slots for the next growth
+        self._spare: Prefilled | None = None  # empty slots for the next growth
+        self._spare_ids: tuple[Prefilled, Prefilled, Prefilled] | None = None  # key_of,
+        # slot_of and free of the next id capacity, filled in threads (_PREPARE_IDS)
 
     @property
     def live(self) -> int:
@@ -160,16 +208,41 @@ class BlockTable:
                 return False
         needed = self._next + max(0, n - int(self._state[FREE_COUNT]))
         if needed > len(self.key_of):
-            size = max(2 * len(self.key_of), needed)
-            self.key_of = _grown(self.key_of, size)
-            self._slot_of = _grown(self._slot_of, size, fill=-1)
-            self._free = _grown(self._ring(), size)
-            self._state[kernels.FREE_HEAD] = 0
+            self._grow_ids(max(2 * len(self.key_of), needed))
         if self._spare is None and self.live + n >= max(
             GROW_IN_THREAD_KEYS, _PREPARE_LOAD * len(self._slots)
         ):
-            self._spare = _EmptySlots(2 * len(self._slots))  # what the next growth makes
+            self._spare = _empty_slots(2 * len(self._slots))  # what the next growth makes
+        if self._spare_ids is None and needed >= max(
+            GROW_IN_THREAD_KEYS, _PREPARE_IDS * len(self.key_of)
+        ):
+            size = 2 * len(self.key_of)
+            self._spare_ids = (
+                Prefilled(size, np.uint64, 0),
+                Prefilled(size, np.int64, -1),
+                Prefilled(size, np.int64, 0),
+            )
         return True
+
+    @property
+    def next_id_capacity(self) -> int | None:
+        """The id capacity the next growth of the id arrays makes, once it is prepared."""
+        return len(self._spare_ids[0].array) if self._spare_ids is not None else None
+
+    def _grow_ids(self, size: int) -> None:
+        """Room for `size` ids: key_of, slot_of and the ring of freed ids (oldest first from
+        0) copied into arrays of that size, the prepared ones when they have it."""
+        spare, self._spare_ids = self._spare_ids, None
+        old = (self.key_of, self._slot_of, self._ring())
+        if spare is not None and len(spare[0].array) == size:
+            grown = tuple(prepared.take() for prepared in spare)
+            for array, part in zip(grown, old, strict=True):
+                array[: len(part)] = part
+        else:
+            fills = (0, -1, 0)
+            grown = tuple(_grown(part, size, fill) for part, fill in zip(old, fills, strict=True))
+        self.key_of, self._slot_of, self._free = grown
+        self._state[kernels.FREE_HEAD] = 0
 
     def await_growth(self) -> None:
         """Wait for larger slots being built in a thread, if any, without taking them (the
@@ -282,7 +355,7 @@ class BlockTable:
     def _ring(self) -> np.ndarray:
         """The freed ids, oldest first."""
         head, count = int(self._state[kernels.FREE_HEAD]), int(self._state[FREE_COUNT])
-        return np.roll(self._free, -head)[:count]
+        return self._free[(head + np.arange(count)) % len(self._free)]
 
     def _use_slots(self, slots: np.ndarray) -> None:
         self._slots = slots
@@ -293,9 +366,8 @@ class BlockTable:
         when they have the size)."""
         old, spare, self._spare = self._slots, self._spare, None
         size = _slots_for(live)
-        if spare is not None and len(spare.slots) == size:
-            spare.join()
-            self._use_slots(spare.slots)
+        if spare is not None and len(spare.array) == size:
+            self._use_slots(spare.take())
         else:
             self._use_slots(empty_slots(size))
         kernels.rehash(old, self._slots, self._slot_of, self._state)

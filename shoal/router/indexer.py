@@ -50,7 +50,7 @@ from shoal.protocol import (
 )
 from shoal.route_events import Change, EventTranslator
 from shoal.router import hash_kernel, table_kernels
-from shoal.router.block_table import BlockTable
+from shoal.router.block_table import BlockTable, Prefilled
 
 FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a lookup
 # queued changes past which a flush waits for the table's growth in a thread to end (events
@@ -185,6 +185,7 @@ class KvIndexer:
         self._columns = _columns or _Columns()
         self._table = BlockTable()
         self._bits = np.zeros((self._table.id_capacity, 1), np.uint64)  # block id -> mask
+        self._spare_bits: Prefilled | None = None  # the masks for the table's next ids
         self._held: dict[str, int] = {}  # worker -> blocks it holds here
         self._translators: dict[str, EventTranslator] = {}  # workers publishing vLLM's format
         # (worker, block) changes not yet in the table and masks: (router hashes as u64
@@ -552,13 +553,23 @@ class KvIndexer:
                 self._held[worker] += int(strays[column])
 
     def _fit(self) -> None:
-        """Grow the mask matrix to every id the table hands out and every worker's column."""
+        """Grow the mask matrix to every id the table hands out and every worker's column
+        (into the matrix filled in a thread for the table's next id capacity, when that
+        is the size)."""
         rows, words = self._table.id_capacity, self._columns.words
         old_rows, old_words = self._bits.shape
         if old_rows < rows or old_words < words:
-            grown = np.zeros((max(rows, old_rows), max(words, old_words)), np.uint64)
+            shape = (max(rows, old_rows), max(words, old_words))
+            spare, self._spare_bits = self._spare_bits, None
+            if spare is not None and spare.array.shape == shape:
+                grown = spare.take()
+            else:
+                grown = np.zeros(shape, np.uint64)
             grown[:old_rows, :old_words] = self._bits
             self._bits = grown
+        upcoming = self._table.next_id_capacity
+        if upcoming is not None and self._spare_bits is None:
+            self._spare_bits = Prefilled((upcoming, self._bits.shape[1]), np.uint64, 0)
 
     def _rows(self, keys: np.ndarray, words: int) -> np.ndarray:
         """The masks of these keys' blocks (zero where not indexed), `words` wide."""

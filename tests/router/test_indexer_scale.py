@@ -18,7 +18,13 @@ import pytest
 from overlap_reference import leading_overlaps
 
 from shoal.kv_hash import route_hashes
-from shoal.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from shoal.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    RouteHashesStored,
+)
 from shoal.route_events import EventTranslator, as_route_events, held_events
 from shoal.router import block_table, indexer, table_kernels
 from shoal.router.block_table import BlockTable
@@ -510,7 +516,7 @@ def test_a_large_table_grows_in_a_thread_and_is_read_as_it_was_meanwhile(monkeyp
     slots = len(table._slots)
     keys = np.random.default_rng(2).integers(0, 2**64, 1600, np.uint64)
     ids = table.add(keys)  # 1,600 of 4,096 slots: 1,800 would pass the 0.4 load
-    spare = table._spare.slots
+    spare = table._spare.array
     assert spare.shape == (2 * slots, 2)
     assert table.reserve(200, wait=False) is False
     assert table.growing and len(table._slots) == slots
@@ -559,8 +565,79 @@ def test_a_growth_on_the_loop_takes_the_slots_a_thread_prepared(monkeypatch):
     table = BlockTable()
     keys = np.random.default_rng(6).integers(0, 2**64, 1800, np.uint64)
     first = table.add(keys[:1300])  # past 0.3 of 4,096 slots
-    spare = table._spare.slots
+    spare = table._spare.array
     rest = table.add(keys[1300:])  # past 0.4: a rehash, here
     assert table._slots is spare and table._spare is None
     assert table.ids(keys).tolist() == [*first.tolist(), *rest.tolist()] == list(range(1800))
     assert_probes_intact(table)
+
+
+def test_the_id_arrays_grow_into_arrays_filled_beforehand(monkeypatch):
+    """Past GROW_IN_THREAD_KEYS, once 3/4 of the id capacity is handed out the next id
+    arrays are filled by the filler thread; the growth copies into them: every key keeps
+    its id, and the freed ids (a ring that wraps around its end here) are handed out
+    first, oldest first."""
+    monkeypatch.setattr(block_table, "GROW_IN_THREAD_KEYS", 100)
+    table = BlockTable()
+    capacity = table.id_capacity
+    fresh = iter(np.random.default_rng(8).integers(0, 2**64, 4 * capacity, np.uint64))
+
+    def add(n: int) -> list[tuple[int, int]]:
+        keys = np.array([next(fresh) for _ in range(n)], np.uint64)
+        return list(zip(keys.tolist(), table.add(keys).tolist(), strict=True))
+
+    live = add(capacity * 3 // 4 + 10)
+    assert table.next_id_capacity == 2 * capacity
+    prepared = [job.array for job in table._spare_ids]
+    for n in [300] * 6 + [200]:  # 2,000 ids freed and handed out again
+        table.remove(np.array([i for _, i in live[:n]]))
+        live = live[n:] + add(n)
+    gone, live = live[:100], live[100:]
+    table.remove(np.array([i for _, i in gone]))
+    head, count = (
+        int(table._state[table_kernels.FREE_HEAD]),
+        int(table._state[table_kernels.FREE_COUNT]),
+    )
+    assert head + count > len(table._free)  # the ring wraps
+    ring = table._ring().tolist()
+    assert ring == [i for _, i in gone]
+    grown = add(100 + capacity - table._next + 50)
+    assert [i for _, i in grown[:100]] == ring
+    assert table.id_capacity == 2 * capacity and table.next_id_capacity is None
+    assert table.key_of is prepared[0] and table._slot_of is prepared[1]
+    live += grown
+    keys = np.array([k for k, _ in live], np.uint64)
+    assert table.ids(keys).tolist() == [i for _, i in live]
+    assert_probes_intact(table)
+
+
+def stored_hashes(keys: np.ndarray) -> RouteHashesStored:
+    return RouteHashesStored(route_hashes=keys.astype("<u8").tobytes())
+
+
+def test_the_masks_grow_into_a_matrix_filled_beforehand(monkeypatch):
+    """The index prepares its next mask matrix once the table has prepared its next id
+    arrays, and grows into it; every block keeps its holders."""
+    monkeypatch.setattr(block_table, "GROW_IN_THREAD_KEYS", 100)
+    index = KvIndexer(lower_tiers=False)
+    capacity = index._table.id_capacity
+    keys = np.random.default_rng(9).integers(1, 2**63, capacity + 100, np.uint64)
+    index.apply_batch("a", [stored_hashes(keys[: capacity - 100])])
+    index.flush()  # past 3/4 of the ids: the next id arrays and masks are prepared
+    spare = index._spare_bits
+    assert spare is not None and spare.array.shape == (2 * capacity, 1)
+    index.apply_batch("b", [stored_hashes(keys[: capacity // 4])])
+    index.apply_batch("c", [stored_hashes(keys[capacity - 100 :])])
+    index.flush()  # room made for every store queued: the ids grow, and the masks with them
+    assert index._table.id_capacity == 2 * capacity
+    assert index._bits is spare.array
+    assert index.num_blocks("a") == capacity - 100 and index.num_blocks("c") == 200
+    assert index.overlaps(keys[: capacity // 4]) == {"a": capacity // 4, "b": capacity // 4}
+    assert index.overlaps(keys[capacity - 100 :]) == {"c": 200}
+
+
+def test_one_filler_thread_fills_every_prepared_array():
+    jobs = [block_table.Prefilled(1 << 16, np.int64, -1) for _ in range(6)]
+    assert all((job.take() == -1).all() for job in jobs)
+    fillers = [t for t in threading.enumerate() if t.name == "shoal-block-table-prefill"]
+    assert len(fillers) == 1
