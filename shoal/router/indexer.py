@@ -57,8 +57,8 @@ FLUSH_OPS = 2048  # queued (worker, block) changes applied without waiting for a
 # far faster than a growth: the queue and the next growth stay bounded)
 MAX_DEFERRED_OPS = 1 << 18
 SHORT_PROMPT_BLOCKS = 96  # prompts up to this many blocks are looked up without numpy
-DUMP_SLICE_OPS = 8192  # block changes a dump applies per hold of the caller's lock (load_dump)
-DUMP_SCAN_ROWS = 1 << 18  # rows of the masks a dump reads per hold (KvIndexer.holdings)
+DUMP_SLICE_OPS = 4096  # block changes a dump applies per hold of the caller's lock (load_dump)
+DUMP_SCAN_ROWS = 1 << 17  # rows of the masks a dump reads per hold (KvIndexer.holdings)
 _DIRECT = frozenset((RouteHashesStored, RouteHashesRemoved, AllBlocksCleared))  # no translation
 
 
