@@ -47,7 +47,7 @@ _MIN_SLOTS = 1 << 12
 _MAX_LOAD = 0.4  # keys per slot above which the slots are doubled (and more)
 _PREPARE_LOAD = 0.3  # keys per slot from which the next slots are prepared in a thread
 _PREPARE_IDS = 0.75  # share of the id capacity handed out from which the next is prepared
-GROW_IN_THREAD_KEYS = 1 << 16  # from this many keys, slots are prepared and grown in threads
+GROW_IN_THREAD_KEYS = 1 << 14  # from this many keys, slots are prepared and grown in threads
 _STRIDE = 32  # leading_ids: one key in this many is looked up in the slots
 _U64 = (1 << 64) - 1
 
