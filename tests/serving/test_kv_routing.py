@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import openai
@@ -33,11 +34,17 @@ def metric(base: str, name: str) -> float:
 
 def test_prefix_follows_the_worker_that_caches_it(server):
     """The router hashes the frontend's token ids; the engine hashes the same ids in its
-    KV events: every follow-up lands where the shared prefix is cached."""
+    KV events: every follow-up lands where the shared prefix is cached. (The events reach
+    the router apart from the answer: a follow-up sent before they are applied is routed
+    without them, so the test waits for them, as a later turn of a conversation would.)"""
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
     first = client.completions.create(model="tiny", prompt=SHARED, max_tokens=2)
     shared_blocks = first.usage.prompt_tokens // 16
     assert shared_blocks >= 2
+    deadline = time.monotonic() + 10
+    while metric(server, "shoal_router_kv_events_applied_total") < 1:
+        assert time.monotonic() < deadline, "the first request's KV events never applied"
+        time.sleep(0.01)
     cached = []
     for i in range(6):
         out = client.completions.create(
