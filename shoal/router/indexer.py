@@ -336,24 +336,8 @@ class KvIndexer:
             held = worker_id in self._held, self.lower is not None and worker_id in self.lower._held
             self._known(worker_id)
             column = self._columns.of[worker_id]
-        lower = self.lower._scan(column, lock) if held[1] else _NO_KEYS
-        return self._scan(column, lock) if held[0] else _NO_KEYS, lower
-
-    def _scan(self, column: int, lock: AbstractContextManager) -> np.ndarray:
-        """The router hashes whose mask has this column's bit, a part of the rows per hold."""
-        word, bit = column >> 6, np.uint64(1 << (column & 63))
-        parts = [_NO_KEYS]
-        start, rows = 0, 1
-        while start < rows:
-            with lock:
-                self.flush()
-                bits = self._bits
-                rows = len(bits) if word < bits.shape[1] else 0
-                if start < rows:
-                    masks = bits[start : start + DUMP_SCAN_ROWS, word]
-                    parts.append(self._table.key_of[np.flatnonzero(masks & bit) + start])
-            start += DUMP_SCAN_ROWS
-        return np.concatenate(parts)
+        lower = self.lower._column_keys(column, lock) if held[1] else _NO_KEYS
+        return self._column_keys(column, lock) if held[0] else _NO_KEYS, lower
 
     def remove_worker(self, worker_id: str) -> None:
         self._forget(worker_id)
@@ -503,17 +487,22 @@ class KvIndexer:
             self._queue(column, _le_bytes(keys), len(keys), False)
             self.flush()
 
-    def _column_keys(self, column: int) -> np.ndarray:
-        """The router hashes of the blocks whose mask has this column's bit (queue applied)."""
-        self.flush()
-        return self._table.key_of[self._column_ids(column)]
-
-    def _column_ids(self, column: int) -> np.ndarray:
-        """The ids of the blocks whose mask has this column's bit."""
+    def _column_keys(self, column: int, lock: AbstractContextManager = _UNSHARED) -> np.ndarray:
+        """The router hashes of the blocks whose mask has this column's bit (the queue
+        applied), read DUMP_SCAN_ROWS rows of the masks per hold of `lock`."""
         word, bit = column >> 6, np.uint64(1 << (column & 63))
-        if word >= self._bits.shape[1]:
-            return np.zeros(0, np.intp)
-        return np.flatnonzero(self._bits[:, word] & bit)
+        parts = [_NO_KEYS]
+        start, rows = 0, 1
+        while start < rows:
+            with lock:
+                self.flush()
+                bits = self._bits
+                rows = len(bits) if word < bits.shape[1] else 0
+                if start < rows:
+                    masks = bits[start : start + DUMP_SCAN_ROWS, word]
+                    parts.append(self._table.key_of[np.flatnonzero(masks & bit) + start])
+            start += DUMP_SCAN_ROWS
+        return np.concatenate(parts)
 
     def flush(self, wait: bool = True) -> None:
         """Apply the queued (worker, block) changes to the table and the masks, in order.
