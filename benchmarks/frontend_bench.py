@@ -21,11 +21,12 @@ figures take it off as well: what the serving path adds to the steps the engine 
 took. `--engine real` puts the engine on the GPU instead (random weights of a Llama-3.1-8B
 shape, a 4,096-word vocabulary), for --trace's breakdown with real steps. In latency mode
 the bench first runs the same streams through the same engine alone (AsyncLLM in a process
-of its own: the GPU engine, or a MockEngine whose steps take --step-ms;
-engine_ttft_p50_ms and engine_itl_p50_ms). With the real engine TTFT and ITL added are the
-serving path's figures less those; with the mocker, ttft_added_over_engine_ms and
-itl_added_over_engine_ms are (the engine thread's hand-offs, which the _net figures count
-as the serving path's, then count as the engine's, as they do for the real engine).
+of its own, on the event loop a worker runs, with the same --keep-warm-ms: the GPU engine,
+or a MockEngine whose steps take --step-ms; engine_ttft_p50_ms and engine_itl_p50_ms).
+With the real engine TTFT and ITL added are the serving path's figures less those; with
+the mocker, ttft_added_over_engine_ms and itl_added_over_engine_ms are (the engine thread's
+hand-offs, which the _net figures count as the serving path's, then count as the engine's,
+as they do for the real engine).
 ceiling: --concurrency streams for --duration seconds with --step-ms 0: the tokens/s one
 frontend process (or N) delivers to clients, with the CPU seconds each process used (from
 /proc), so the frontend's tokens per CPU-second say what it would reach on a core of its
@@ -76,6 +77,7 @@ from provenance import provenance
 
 from shoal.frontend.rehearsal import REHEARSAL_INTERVAL_MS
 from shoal.mocker.pacing import sleep_until
+from shoal.runtime import event_loop
 from shoal.runtime.event_loop import KEEP_WARM_MS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -316,12 +318,13 @@ async def burst(port: int, args: argparse.Namespace) -> dict:
 def engine_alone(model: Path, args: argparse.Namespace) -> dict[str, float]:
     """The same streams through the same engine with no serving path: AsyncLLM in a process
     of its own, as the worker runs it (random weights, or the mocker at --step-ms; default
-    engine settings, the API's sampling defaults with ignore_eos), the prompt tokenized as
-    the frontend does; TTFT (from generate to the first output) and ITL p50 in ms."""
+    engine settings, the API's sampling defaults with ignore_eos; the worker's event loop and
+    keep-warm timer), the prompt tokenized as the frontend does; TTFT (from generate to the
+    first output) and ITL p50 in ms."""
     import multiprocessing
 
     prompt = request_prompt(args.prompt_words)
-    streams = (args.warmup, args.requests, args.max_tokens, args.gap_ms)
+    streams = (args.warmup, args.requests, args.max_tokens, args.gap_ms, args.keep_warm_ms)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_engine_alone, (str(model), args.step_ms, prompt, *streams))
 
@@ -334,6 +337,7 @@ def _engine_alone(
     requests: int,
     max_tokens: int,
     gap_ms: float,
+    keep_warm_ms: float,
 ) -> dict[str, float]:
     from shoal.engine.async_llm import AsyncLLM
     from shoal.engine.config import EngineConfig
@@ -368,7 +372,7 @@ def _engine_alone(
         engine = MockEngine(EngineConfig(model=model), TimingModel(base_ms=step_ms, **zero))
     llm = AsyncLLM(engine)
     try:
-        ttft, itl = asyncio.run(streams(llm))
+        ttft, itl = event_loop.run(streams(llm), keep_warm_ms)
     finally:
         llm.shutdown()
     return {
