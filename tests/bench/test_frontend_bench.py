@@ -12,16 +12,26 @@ import frontend_bench
 def test_the_engine_alone_times_each_stream(llama_dir: Path) -> None:
     """`latency --engine real`'s baseline: sequential streams through AsyncLLM on the same
     model folder, first-output and between-output times in ms."""
-    figures = frontend_bench._engine_alone(str(llama_dir), None, "the cat sat", 1, 3, 5, 0.0)
+    figures = frontend_bench._engine_alone(str(llama_dir), None, "the cat sat", 1, 3, 5, 0.0, 0.0)
     assert set(figures) == {"engine_ttft_p50_ms", "engine_itl_p50_ms"}
     assert 0 < figures["engine_itl_p50_ms"] < 10_000
     assert 0 < figures["engine_ttft_p50_ms"] < 10_000
 
 
-def test_the_mocker_alone_takes_its_step_time(llama_dir: Path) -> None:
+def test_the_mocker_alone_takes_its_step_time(llama_dir: Path, monkeypatch) -> None:
     """`latency`'s mocker baseline: a MockEngine whose every step takes --step-ms, so each
     output comes a step after the one before, and the first a step after the request (the
-    outputs' hand-over to the loop jitters by some microseconds either way)."""
-    figures = frontend_bench._engine_alone(str(llama_dir), 20.0, "the cat sat", 1, 3, 5, 0.0)
+    outputs' hand-over to the loop jitters by some microseconds either way). It runs on the
+    event loop a worker runs, kept warm as the bench's processes are."""
+    runs = []
+
+    def worker_loop(main, keep_warm_ms):
+        runs.append(keep_warm_ms)
+        return run(main, keep_warm_ms)
+
+    run = frontend_bench.event_loop.run
+    monkeypatch.setattr(frontend_bench.event_loop, "run", worker_loop)
+    figures = frontend_bench._engine_alone(str(llama_dir), 20.0, "the cat sat", 1, 3, 5, 0.0, 1.0)
+    assert runs == [1.0]
     assert 19.5 <= figures["engine_itl_p50_ms"] < 40.0
     assert 19.5 <= figures["engine_ttft_p50_ms"] < 60.0
