@@ -78,7 +78,6 @@ from provenance import provenance
 from shoal.frontend.rehearsal import REHEARSAL_INTERVAL_MS
 from shoal.mocker.pacing import sleep_until
 from shoal.runtime import event_loop
-from shoal.runtime.event_loop import KEEP_WARM_MS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "frontend.jsonl"
@@ -488,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-warm-ms",
         type=float,
-        default=KEEP_WARM_MS,
+        default=event_loop.KEEP_WARM_MS,
         help="the worker's and frontend's --keep-warm-ms (0: their loops sleep until woken)",
     )
     p.add_argument(
