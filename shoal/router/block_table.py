@@ -48,6 +48,7 @@ _MAX_LOAD = 0.4  # keys per slot above which the slots are doubled (and more)
 _PREPARE_LOAD = 0.3  # keys per slot from which the next slots are prepared in a thread
 _PREPARE_IDS = 0.75  # share of the id capacity handed out from which the next is prepared
 GROW_IN_THREAD_KEYS = 1 << 14  # from this many keys, slots are prepared and grown in threads
+_ID_FILLS = (0, -1, 0)  # what key_of, slot_of and the ring of freed ids hold past their use
 _STRIDE = 32  # leading_ids: one key in this many is looked up in the slots
 _U64 = (1 << 64) - 1
 
@@ -217,10 +218,9 @@ class BlockTable:
             GROW_IN_THREAD_KEYS, _PREPARE_IDS * len(self.key_of)
         ):
             size = 2 * len(self.key_of)
-            self._spare_ids = (
-                Prefilled(size, np.uint64, 0),
-                Prefilled(size, np.int64, -1),
-                Prefilled(size, np.int64, 0),
+            arrays = (self.key_of, self._slot_of, self._free)
+            self._spare_ids = tuple(
+                Prefilled(size, a.dtype, fill) for a, fill in zip(arrays, _ID_FILLS, strict=True)
             )
         return True
 
@@ -239,8 +239,8 @@ class BlockTable:
             for array, part in zip(grown, old, strict=True):
                 array[: len(part)] = part
         else:
-            fills = (0, -1, 0)
-            grown = tuple(_grown(part, size, fill) for part, fill in zip(old, fills, strict=True))
+            parts = zip(old, _ID_FILLS, strict=True)
+            grown = tuple(_grown(part, size, fill) for part, fill in parts)
         self.key_of, self._slot_of, self._free = grown
         self._state[kernels.FREE_HEAD] = 0
 
