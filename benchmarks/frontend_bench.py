@@ -155,7 +155,6 @@ class Deployment:
         frontend += ["--api-server-count", str(args.api_server_count), "--no-access-log"]
         frontend += ["--log-level", "warning", "--keep-warm-ms", str(args.keep_warm_ms)]
         frontend += ["--rehearsal-interval-ms", str(args.rehearsal_interval_ms)]
-        frontend += ["--spin-ms", str(args.spin_ms)]
         self.profile = work / "frontend.prof" if args.profile else None
         prefix = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
         self.frontend = self._start([sys.executable, *prefix, *frontend])
@@ -492,12 +491,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the worker's and frontend's --keep-warm-ms (0: their loops sleep until woken)",
     )
     p.add_argument(
-        "--spin-ms",
-        type=float,
-        default=event_loop.SPIN_MS,
-        help="the frontend's --spin-ms (0: its loop sleeps while it waits for a first token)",
-    )
-    p.add_argument(
         "--rehearsal-interval-ms",
         type=float,
         default=REHEARSAL_INTERVAL_MS,
@@ -564,7 +557,6 @@ def main() -> None:
         "workers": args.workers,
         "api_server_count": args.api_server_count,
         "keep_warm_ms": args.keep_warm_ms,
-        "spin_ms": args.spin_ms,
         "rehearsal_interval_ms": args.rehearsal_interval_ms,
         "max_tokens": args.max_tokens,
         "prompt_words": args.prompt_words,

@@ -20,7 +20,7 @@ from shoal.flags import Flag, FlagGroup, FlagParser, flag_argv
 from shoal.frontend.cli import (
     add_frontend_args,
     exit_on_sigterm,
-    frontend_loop_options,
+    frontend_keep_warm_ms,
     serve_frontends,
 )
 from shoal.frontend.disagg_client import DISAGG
@@ -313,7 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     exit_on_sigterm()
     try:
-        event_loop.run(_serve(args, discovery, pool), **frontend_loop_options(args))
+        event_loop.run(_serve(args, discovery, pool), frontend_keep_warm_ms(args))
     finally:
         pool.stop(args.shutdown_timeout)
         if folder is not None:

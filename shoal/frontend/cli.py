@@ -91,14 +91,6 @@ FRONTEND = FlagGroup(
             REHEARSAL_INTERVAL_MS,
         ),
         Flag(
-            "spin-ms",
-            "after sending a request to a worker, poll the event loop without sleeping for "
-            "this long (milliseconds; 0: never), so that the first token finds the frontend "
-            "awake instead of waking it: a core busy for up to that long per request",
-            non_negative_float,
-            event_loop.SPIN_MS,
-        ),
-        Flag(
             "migration-limit",
             "times a request may move to another worker when its worker dies or stalls (0: never)",
             int,
@@ -199,17 +191,14 @@ def run_frontend_command(args: argparse.Namespace) -> int:
     if not args.discovery:
         raise SystemExit("--discovery is required for a standalone frontend (or use `shoal serve`)")
     exit_on_sigterm()
-    event_loop.run(serve_frontends(args, args.discovery), **frontend_loop_options(args))
+    event_loop.run(serve_frontends(args, args.discovery), frontend_keep_warm_ms(args))
     return 0
 
 
-def frontend_loop_options(args: argparse.Namespace) -> dict[str, float]:
-    """event_loop.run's options (--keep-warm-ms, --spin-ms) for the process that serves
-    HTTP: the one process, or each of the --api-server-count children (a parent that only
-    watches its children needs neither)."""
-    if args.api_server_count > 1:
-        return {}
-    return {"keep_warm_ms": args.keep_warm_ms, "spin_ms": args.spin_ms}
+def frontend_keep_warm_ms(args: argparse.Namespace) -> float:
+    """--keep-warm-ms for the process that serves HTTP (the one process, or each of the
+    --api-server-count children); a parent that only watches its children needs none."""
+    return args.keep_warm_ms if args.api_server_count == 1 else 0.0
 
 
 async def serve_frontends(
@@ -333,11 +322,7 @@ def api_server_main() -> None:
     )
     exit_on_sigterm()
     siblings = ApiServerMetrics(metrics_dir, index, args.api_server_count)
-    event_loop.run(
-        _serve_api_server(args, discovery, siblings),
-        keep_warm_ms=args.keep_warm_ms,
-        spin_ms=args.spin_ms,
-    )
+    event_loop.run(_serve_api_server(args, discovery, siblings), args.keep_warm_ms)
 
 
 async def _serve_api_server(

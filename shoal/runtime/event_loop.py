@@ -9,14 +9,6 @@ load every hand-off of a request meets a sleeping process: the frontend between 
 worker's loop during a step. A timer that wakes the loop every millisecond keeps its CPU
 from going that deep, for about 2% of a core (docs/serving.md, "Keeping the CPU warm").
 At high load the process's own work keeps its CPUs warm, and the timer backs off.
-
-With `spin_ms` > 0 the loop also polls without sleeping while a `spin()` holds it, for at
-most spin_ms after the latest (the request plane's client holds it from opening a stream to
-the stream's first response), so the first response finds the loop awake instead of
-waking it. Only for a process whose loop is the
-one thread at work: a polling loop takes the GIL back as soon as it lets it go, so another
-thread of the process waits the switch interval to run (a worker's engine thread would, on
-each step).
 """
 
 from __future__ import annotations
@@ -29,7 +21,6 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 KEEP_WARM_MS = 1.0  # the default wake-up interval of a server's event loop
-SPIN_MS = 0.0  # the default time a frontend's loop polls without sleeping after a request
 BUSY_CPU_SHARE = 0.5  # a process whose threads use this much of a core keeps warm by itself
 BUSY_RECHECK_S = 0.02  # how often a busy process looks whether it has gone idle
 _LOAD_WINDOW_S = 0.01  # the span over which the process's CPU use is judged
@@ -40,19 +31,14 @@ _LOAD_WINDOW_S = 0.01  # the span over which the process's CPU use is judged
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def run(main: Coroutine[Any, Any, T], keep_warm_ms: float = 0.0, spin_ms: float = 0.0) -> T:
+def run(main: Coroutine[Any, Any, T], keep_warm_ms: float = 0.0) -> T:
     """asyncio.run(main), on uvloop when available (its callbacks, timers and socket writes
     cost a fraction of the pure-Python loop's: the token-streaming path is made of them);
-    with keep_warm_ms > 0 the loop wakes at least that often while main runs; with
-    spin_ms > 0 it polls without sleeping while `spin()` holds it (at most spin_ms)."""
+    with keep_warm_ms > 0 the loop wakes at least that often while main runs."""
     if keep_warm_ms < 0:
         raise ValueError(f"keep_warm_ms must not be negative (got {keep_warm_ms})")
-    if spin_ms < 0:
-        raise ValueError(f"spin_ms must not be negative (got {spin_ms})")
     if keep_warm_ms:
         main = _kept_warm(main, keep_warm_ms / 1e3)
-    if spin_ms:
-        main = _spinning(main, spin_ms / 1e3)
     try:
         import uvloop
     except ImportError:
@@ -68,66 +54,6 @@ async def _kept_warm(main: Coroutine[Any, Any, T], interval_s: float) -> T:
         return await main
     finally:
         ticker.cancel()
-
-
-class _Spinner:
-    """Keeps its loop polling without sleeping while anything holds it, for at most hold_s
-    after the latest hold began."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, hold_s: float) -> None:
-        self._loop = loop
-        self._hold_s = hold_s
-        self._holds = 0
-        self._until = 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    def hold(self) -> None:
-        self._holds += 1
-        self._until = self._loop.time() + self._hold_s
-        if self._task is None:
-            self._task = self._loop.create_task(self._spin())
-
-    def release(self) -> None:
-        self._holds = max(0, self._holds - 1)
-
-    async def _spin(self) -> None:
-        try:
-            while self._holds and self._loop.time() < self._until:
-                await asyncio.sleep(0)  # a ready task: the loop's next poll does not block
-        finally:
-            self._task = None
-            self._holds = 0  # holds older than hold_s lapse with the spin
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-
-_spinner: _Spinner | None = None  # the running loop's, while `run` runs it with spin_ms
-
-
-def spin() -> None:
-    """Hold the running loop polling without sleeping until `unspin()` (at most its spin_ms
-    from now); nothing on a loop run without spin_ms."""
-    if _spinner is not None:
-        _spinner.hold()
-
-
-def unspin() -> None:
-    """Release one `spin()` hold."""
-    if _spinner is not None:
-        _spinner.release()
-
-
-async def _spinning(main: Coroutine[Any, Any, T], hold_s: float) -> T:
-    """main, with a spinner on the running loop for `spin()` to hold while it runs."""
-    global _spinner
-    spinner = _spinner = _Spinner(asyncio.get_running_loop(), hold_s)
-    try:
-        return await main
-    finally:
-        _spinner = None
-        spinner.stop()
 
 
 class CpuLoad:

@@ -35,7 +35,6 @@ from shoal.protocol import (
     StreamError,
     StreamOpen,
 )
-from shoal.runtime import event_loop
 from shoal.runtime.auth import make_signer
 from shoal.runtime.codec import ENCODER, decoder
 from shoal.runtime.errors import (
@@ -86,7 +85,6 @@ class ResponseStream(Generic[T]):
         "_owner_callback",
         "_queued",
         "_rid",
-        "_spinning",
         "_timer",
         "_unacked",
         "_wait_start",
@@ -124,9 +122,6 @@ class ResponseStream(Generic[T]):
         self._wait_start = 0.0
         self._queued = False  # in the client's queue of readers to wake
         self.started = False  # a response has arrived
-        # holds the loop polling until the first response (frontend --spin-ms)
-        self._spinning = True
-        event_loop.spin()
 
     def __aiter__(self) -> ResponseStream[T]:
         return self
@@ -179,7 +174,6 @@ class ResponseStream(Generic[T]):
 
     def cancel(self) -> None:
         """Stop the stream: the worker cancels its handler; iteration ends."""
-        self._unspin()
         self._unbind_owner()
         self._stop_timer()
         if self._done:
@@ -221,23 +215,15 @@ class ResponseStream(Generic[T]):
 
     def _hold(self, payload: bytes | msgspec.Raw) -> None:
         """Queue a response without waking the reader (the caller wakes it)."""
-        if self._spinning:
-            self._unspin()
         self.started = True
         self._items.append(payload)
 
     def _finish(self, error: BaseException | None) -> None:
-        self._unspin()
         self._done = True
         self._error = error
         self._unbind_owner()  # the worker is done with it: nothing left to cancel
         self._stop_timer()
         self._wake()
-
-    def _unspin(self) -> None:
-        if self._spinning:
-            self._spinning = False
-            event_loop.unspin()
 
     def _stop_timer(self) -> None:
         if self._timer is not None:

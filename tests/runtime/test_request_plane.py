@@ -598,34 +598,3 @@ def test_push_endpoint_sends_each_step_as_one_message_per_client() -> None:
         await server.stop()
 
     run(main())
-
-
-def test_a_stream_holds_the_spin_until_its_first_response(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The frontend's --spin-ms: a stream holds its loop's spin from its opening to its first
-    response, or to its end without one (an error, a cancel), exactly once."""
-    from shoal.runtime import event_loop
-
-    held = [0, 0]  # holds, releases
-    monkeypatch.setattr(event_loop, "spin", lambda: held.__setitem__(0, held[0] + 1))
-    monkeypatch.setattr(event_loop, "unspin", lambda: held.__setitem__(1, held[1] + 1))
-
-    async def main() -> None:
-        server = await serving()
-        client = RequestClient()
-        stream = client.stream(server.address, ENDPOINT, request("a", 3), EngineOutput)
-        assert held == [1, 0]
-        await stream.__anext__()
-        assert held == [1, 1]
-        async for _ in stream:
-            pass
-        assert held == [1, 1]
-        with pytest.raises(EndpointNotFoundError):
-            async for _ in client.stream(server.address, "nowhere", request("b"), EngineOutput):
-                pass
-        assert held == [2, 2]
-        client.stream(server.address, ENDPOINT, request("c"), EngineOutput).cancel()
-        assert held == [3, 3]
-        await client.close()
-        await server.stop()
-
-    run(main())
