@@ -47,6 +47,14 @@ carry them).
     .venv/bin/python benchmarks/router_sim.py --goodput --rows 1500:3000 --workers 8 \
         --arrival-jitter-ms 2 --repeats 3
 
+A ceiling for any router (--shared-cache): every worker's engine also keeps each block it
+computes in one host tier that all the workers share (the engine's KV offload tier, in the
+mocker's modelled copies, here at one byte a token, so a copy takes no time to speak of), of
+room for every block of the run. Any worker then finds any prefix an earlier request left
+anywhere, onboarded at admission: the hit rate no routing can beat, with round-robin's or
+least-loaded's balance. `kv` routing over it is not meaningful (its index hears only the
+worker that saved a block).
+
 Goodput (--goodput): instead of figures at given loads, the highest load each mode
 sustains under an SLO, TTFT p99 <= --slo-ttft-p99-ms (2 s): a figure of the router and
 the engines, where a fixed load's TTFT in overload grows with the replay's length. For each
@@ -78,6 +86,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import torch
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # shoal, without installing it
@@ -88,7 +97,9 @@ from router_bench import MOONCAKE, MULTI_TURN, RESULTS, SHARED_PREFIX, parse_row
 
 from shoal.bench.trace import TraceEntry, TraceSynthesis, load_trace
 from shoal.engine.config import EngineConfig
+from shoal.engine.kv_offload.host import HostTier
 from shoal.mocker.engine import MockEngine
+from shoal.mocker.tiers import TierModel
 from shoal.protocol import (
     EngineOutput,
     EngineRequest,
@@ -105,6 +116,11 @@ from shoal.worker.kv_publisher import load_report
 
 LOAD_REPORT_PERIOD = 0.2  # seconds, as shoal.worker.kv_publisher
 BLOCK_SIZE = 16
+# --shared-cache: modelled KV bytes per token (copies then take nanoseconds), each engine's
+# own host tier before the shared one replaces it (GiB: a few blocks), and the shared tier's
+# room per block of the workload's prompts and outputs (room for all: nothing is evicted)
+SHARED_CACHE_TIERS = TierModel(kv_bytes_per_token=1)
+SHARED_CACHE_OWN_GB = 1e-5
 
 
 class _Streams:
@@ -437,6 +453,18 @@ class _Simulation:
             self._at(self.clock + self.effects.report_period, _REPORT, self._report_load)
 
 
+def workload_blocks(workload: Workload) -> int:
+    """Blocks of BLOCK_SIZE tokens in all the workload's prompts and outputs (a turn's
+    history counted again with each turn): room for every block it can make."""
+    tokens = 0
+    for session in workload.sessions:
+        history = 0
+        for new_tokens, max_tokens in session:
+            history += len(new_tokens) + max_tokens
+            tokens += history
+    return tokens // BLOCK_SIZE + len(workload.sessions) + 1
+
+
 def _instance(i: int, kv_blocks: int) -> InstanceRecord:
     card = ModelCard(
         model_name="mock",
@@ -487,6 +515,7 @@ def simulate(
     replicas: int = 1,
     replica_sync: bool = True,
     sync_window: float = SYNC_WINDOW,
+    shared_cache: bool = False,
 ) -> dict:
     """Route and run every request of `workload` in virtual time; its figures (_summary).
 
@@ -497,11 +526,23 @@ def simulate(
     With `jitter` > 0 (seconds) each send is delayed by a uniform draw in [0, jitter),
     seeded by `seed`: an open loop's arrivals are moved (and may change order), a closed
     loop's requests go out that much after the previous one finished.
+
+    With `shared_cache` every engine's host tier is one, shared, with room for every block
+    of the workload (see the module docstring).
     """
+    offload = {"kv_offload_cpu_gb": SHARED_CACHE_OWN_GB} if shared_cache else {}
     engines = [
-        MockEngine(EngineConfig(model=str(model), num_gpu_blocks=kv_blocks, seed=i), speedup=1e12)
+        MockEngine(
+            EngineConfig(model=str(model), num_gpu_blocks=kv_blocks, seed=i, **offload),
+            speedup=1e12,
+            tiers=SHARED_CACHE_TIERS if shared_cache else None,
+        )
         for i in range(workers)
     ]
+    if shared_cache:
+        shared = HostTier(workload_blocks(workload), (1,), torch.uint8, pin=False)
+        for engine in engines:
+            engine.kv.offload.host = shared
     for engine in engines:
         engine.enable_kv_events()  # what the router's index is fed, as a worker's engine is
     if workload.arrivals is not None and jitter > 0:
@@ -590,6 +631,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="kv with replica sync: model ms each decision also counts once per peer "
         "(`shoal serve --router-sync-window-ms`; 0: off)",
     )
+    p.add_argument(
+        "--shared-cache",
+        action="store_true",
+        help="one host KV tier shared by every worker, with room for every block: any "
+        "prefix computed before is found on any worker (a ceiling for any router's cache)",
+    )
     add_effect_args(p)
     group = p.add_argument_group("goodput (the highest load meeting an SLO)")
     group.add_argument(
@@ -666,6 +713,7 @@ def main() -> int:
         **({"live_effects": asdict(effects)} if effects != LiveEffects() else {}),
         "arrival_jitter_ms": args.arrival_jitter_ms,
         "repeats": args.repeats,
+        **({"shared_cache": True} if args.shared_cache else {}),
         **(
             {
                 "replicas": args.replicas,
@@ -700,6 +748,7 @@ def main() -> int:
                 args.replicas,
                 args.replica_sync,
                 args.sync_window_ms / 1e3,
+                args.shared_cache,
             )
             for seed, workload in enumerate(workloads)
         ]
