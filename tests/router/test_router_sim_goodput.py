@@ -81,6 +81,29 @@ def test_the_simulated_kv_router_follows_the_engines_cache(tmp_path):
     assert kv["ttft_p50_ms"] < rr["ttft_p50_ms"] / 2
 
 
+def test_with_a_shared_cache_every_worker_finds_every_prefix(tmp_path):
+    """--shared-cache: 12 prefixes drawn at random over 4 workers, round-robin. Each
+    prefix is prefilled once in all (its first request), then found by every worker: the
+    hit rate is the workload's reuse (a request's 512-token prefix of its 544 tokens, its
+    32 own tokens never, the prefix's first request's nothing), reached from any routing:
+    kv routing without it reaches at most as much, round-robin far less."""
+    model = router_sim.tiny_model_dir(tmp_path)
+    prefixes = [router_sim._tokens(f"p{g}", 512, 300) for g in range(12)]
+    rng = random.Random(0)
+    drawn = [rng.randrange(12) for _ in range(64)]
+    requests = [
+        [(prefixes[g] + router_sim._tokens(f"r{i}", 32, 300), 4)] for i, g in enumerate(drawn)
+    ]
+    workload = router_sim.Workload("groups", requests, [i / 20 for i in range(len(requests))])
+    config = router_sim.KvRouterConfig()
+    reuse = (len(drawn) - len(set(drawn))) * 512 / (len(drawn) * 544)
+    shared = router_sim.simulate("round-robin", workload, model, 4, 512, config, shared_cache=True)
+    alone = router_sim.simulate("round-robin", workload, model, 4, 512, config)
+    kv = router_sim.simulate("kv", workload, model, 4, 512, config)
+    assert shared["kv_hit_rate"] == pytest.approx(reuse, abs=0.01)
+    assert alone["kv_hit_rate"] < 0.45 < kv["kv_hit_rate"] <= shared["kv_hit_rate"]
+
+
 def test_the_live_search_reads_p99_in_model_time_and_fails_a_load_with_errors():
     """router_bench --goodput on a stand-in for live runs in quarter-speed slow motion:
     wall p99 is 4x the model's, which grows as 1 s x load^2 (the SLO holds to load 1.41),
