@@ -55,6 +55,10 @@ anywhere, onboarded at admission: the hit rate no routing can beat, with round-r
 least-loaded's balance. `kv` routing over it is not meaningful (its index hears only the
 worker that saved a block).
 
+Each worker's own host tier (--kv-offload-cpu-gb GB): the engine's KV offload as
+`shoal worker --kv-offload-cpu-gb` runs it, copies modelled at the mocker's bandwidth; the
+workers' KV events announce its blocks (medium CPU) to the router's index.
+
 Goodput (--goodput): instead of figures at given loads, the highest load each mode
 sustains under an SLO, TTFT p99 <= --slo-ttft-p99-ms (2 s): a figure of the router and
 the engines, where a fixed load's TTFT in overload grows with the replay's length. For each
@@ -516,6 +520,7 @@ def simulate(
     replica_sync: bool = True,
     sync_window: float = SYNC_WINDOW,
     shared_cache: bool = False,
+    offload_cpu_gb: float = 0.0,
 ) -> dict:
     """Route and run every request of `workload` in virtual time; its figures (_summary).
 
@@ -528,9 +533,12 @@ def simulate(
     loop's requests go out that much after the previous one finished.
 
     With `shared_cache` every engine's host tier is one, shared, with room for every block
-    of the workload (see the module docstring).
+    of the workload (see the module docstring); else with `offload_cpu_gb` each engine has a
+    host tier of its own that size (the mocker's modelled copies, Llama-3.1-8B's bytes).
     """
-    offload = {"kv_offload_cpu_gb": SHARED_CACHE_OWN_GB} if shared_cache else {}
+    offload = {"kv_offload_cpu_gb": SHARED_CACHE_OWN_GB if shared_cache else offload_cpu_gb}
+    if not offload["kv_offload_cpu_gb"]:
+        offload = {}
     engines = [
         MockEngine(
             EngineConfig(model=str(model), num_gpu_blocks=kv_blocks, seed=i, **offload),
@@ -637,6 +645,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="one host KV tier shared by every worker, with room for every block: any "
         "prefix computed before is found on any worker (a ceiling for any router's cache)",
     )
+    p.add_argument(
+        "--kv-offload-cpu-gb",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="each worker's own host KV tier (`shoal worker --kv-offload-cpu-gb`), copies "
+        "modelled at the mocker's host bandwidth; the router indexes its blocks as the "
+        "workers' KV events announce them",
+    )
     add_effect_args(p)
     group = p.add_argument_group("goodput (the highest load meeting an SLO)")
     group.add_argument(
@@ -677,6 +694,10 @@ def main() -> int:
             raise ValueError("--arrival-jitter-ms must be >= 0, --repeats >= 1 and --replicas >= 1")
         if not (math.isfinite(args.sync_window_ms) and args.sync_window_ms >= 0):
             raise ValueError("--sync-window-ms must be finite and >= 0")
+        if args.shared_cache and args.kv_offload_cpu_gb:
+            raise ValueError("--shared-cache and --kv-offload-cpu-gb are exclusive")
+        if not (math.isfinite(args.kv_offload_cpu_gb) and args.kv_offload_cpu_gb >= 0):
+            raise ValueError("--kv-offload-cpu-gb must be finite and >= 0")
         if args.goodput and not (args.goodput_tolerance > 0 and args.slo_ttft_p99_ms > 0):
             raise ValueError("--goodput-tolerance and --slo-ttft-p99-ms must be positive")
         start, end = parse_rows(args.rows)
@@ -714,6 +735,7 @@ def main() -> int:
         "arrival_jitter_ms": args.arrival_jitter_ms,
         "repeats": args.repeats,
         **({"shared_cache": True} if args.shared_cache else {}),
+        **({"kv_offload_cpu_gb": args.kv_offload_cpu_gb} if args.kv_offload_cpu_gb else {}),
         **(
             {
                 "replicas": args.replicas,
@@ -749,6 +771,7 @@ def main() -> int:
                 args.replica_sync,
                 args.sync_window_ms / 1e3,
                 args.shared_cache,
+                args.kv_offload_cpu_gb,
             )
             for seed, workload in enumerate(workloads)
         ]

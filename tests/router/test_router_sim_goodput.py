@@ -154,3 +154,20 @@ def test_a_multi_turn_probe_runs_as_many_turns_a_session_slot_at_every_load(load
     workload = router_sim.multi_turn(vocab=300, load=load)
     assert workload.concurrency == in_flight and len(workload.sessions) == 4 * in_flight
     assert {len(turns) for turns in workload.sessions} == {router_bench.MULTI_TURN.turns}
+
+
+def test_a_worker_host_tier_keeps_what_its_gpu_cache_evicts(tmp_path):
+    """--kv-offload-cpu-gb: 12 prefixes of 512 tokens on one worker whose GPU cache holds
+    about two of them. Without a host tier a prefix seen before is mostly evicted by its
+    next request; with one (1 GiB: hundreds of the mocker's 2 MiB blocks) it is onboarded."""
+    model = router_sim.tiny_model_dir(tmp_path)
+    prefixes = [router_sim._tokens(f"p{g}", 512, 300) for g in range(12)]
+    rng = random.Random(0)
+    requests = [
+        [(prefixes[rng.randrange(12)] + router_sim._tokens(f"r{i}", 32, 300), 4)] for i in range(64)
+    ]
+    workload = router_sim.Workload("groups", requests, [i / 20 for i in range(len(requests))])
+    config = router_sim.KvRouterConfig()
+    gpu_only = router_sim.simulate("round-robin", workload, model, 1, 80, config)
+    tiered = router_sim.simulate("round-robin", workload, model, 1, 80, config, offload_cpu_gb=1.0)
+    assert gpu_only["kv_hit_rate"] < 0.3 < 0.7 < tiered["kv_hit_rate"]
