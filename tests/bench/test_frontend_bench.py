@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -35,3 +36,25 @@ def test_the_mocker_alone_takes_its_step_time(llama_dir: Path, monkeypatch) -> N
     assert runs == [1.0]
     assert 19.5 <= figures["engine_itl_p50_ms"] < 40.0
     assert 19.5 <= figures["engine_ttft_p50_ms"] < 60.0
+
+
+def test_the_latency_client_waits_on_the_servers_event_loop(monkeypatch) -> None:
+    """latency's client runs on event_loop.run with the bench's keep-warm interval, as the
+    engine alone's streams do; the busy clients of the other modes on asyncio's loop."""
+    runs = []
+
+    def server_loop(main, keep_warm_ms):
+        runs.append(keep_warm_ms)
+        return run(main, keep_warm_ms)
+
+    async def figures() -> dict:
+        return {"ttft_p50_ms": 1.0}
+
+    run = frontend_bench.event_loop.run
+    monkeypatch.setattr(frontend_bench.event_loop, "run", server_loop)
+    latency = argparse.Namespace(mode="latency", keep_warm_ms=1.0)
+    assert frontend_bench.run_client(figures(), latency) == {"ttft_p50_ms": 1.0}
+    assert runs == [1.0]
+    ceiling = argparse.Namespace(mode="ceiling", keep_warm_ms=1.0)
+    assert frontend_bench.run_client(figures(), ceiling) == {"ttft_p50_ms": 1.0}
+    assert runs == [1.0]
