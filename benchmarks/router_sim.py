@@ -120,9 +120,9 @@ from shoal.worker.kv_publisher import load_report
 
 LOAD_REPORT_PERIOD = 0.2  # seconds, as shoal.worker.kv_publisher
 BLOCK_SIZE = 16
-# --shared-cache: modelled KV bytes per token (copies then take nanoseconds), each engine's
-# own host tier before the shared one replaces it (GiB: a few blocks), and the shared tier's
-# room per block of the workload's prompts and outputs (room for all: nothing is evicted)
+# --shared-cache: modelled KV bytes per token (copies then take nanoseconds), and each
+# engine's own host tier before the shared one (workload_blocks long) replaces it (GiB: a
+# few blocks)
 SHARED_CACHE_TIERS = TierModel(kv_bytes_per_token=1)
 SHARED_CACHE_OWN_GB = 1e-5
 
@@ -536,9 +536,8 @@ def simulate(
     of the workload (see the module docstring); else with `offload_cpu_gb` each engine has a
     host tier of its own that size (the mocker's modelled copies, Llama-3.1-8B's bytes).
     """
-    offload = {"kv_offload_cpu_gb": SHARED_CACHE_OWN_GB if shared_cache else offload_cpu_gb}
-    if not offload["kv_offload_cpu_gb"]:
-        offload = {}
+    host_gb = SHARED_CACHE_OWN_GB if shared_cache else offload_cpu_gb
+    offload = {"kv_offload_cpu_gb": host_gb} if host_gb else {}
     engines = [
         MockEngine(
             EngineConfig(model=str(model), num_gpu_blocks=kv_blocks, seed=i, **offload),
