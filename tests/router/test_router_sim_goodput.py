@@ -63,17 +63,24 @@ def test_a_real_search_finds_where_the_slo_breaks(tmp_path):
     assert missed and best < min(missed) <= best * 1.2
 
 
+def prefix_groups() -> tuple[router_sim.Workload, list[int]]:
+    """64 requests, 20 a second, each one of 12 prefixes of 512 tokens drawn at random
+    plus 32 tokens of its own; and which prefix each drew."""
+    prefixes = [router_sim._tokens(f"p{g}", 512, 300) for g in range(12)]
+    rng = random.Random(0)
+    drawn = [rng.randrange(12) for _ in range(64)]
+    requests = [
+        [(prefixes[g] + router_sim._tokens(f"r{i}", 32, 300), 4)] for i, g in enumerate(drawn)
+    ]
+    return router_sim.Workload("groups", requests, [i / 20 for i in range(len(requests))]), drawn
+
+
 def test_the_simulated_kv_router_follows_the_engines_cache(tmp_path):
     """12 shared prefixes drawn at random over 4 workers: kv's router hears the engines' KV
     events, so its index holds their blocks and it sends each request where its prefix is
     cached; round-robin (as an index left empty would) prefills each prefix on every worker."""
     model = router_sim.tiny_model_dir(tmp_path)
-    prefixes = [router_sim._tokens(f"p{g}", 512, 300) for g in range(12)]
-    rng = random.Random(0)
-    requests = [
-        [(prefixes[rng.randrange(12)] + router_sim._tokens(f"r{i}", 32, 300), 4)] for i in range(64)
-    ]
-    workload = router_sim.Workload("groups", requests, [i / 20 for i in range(len(requests))])
+    workload, _ = prefix_groups()
     config = router_sim.KvRouterConfig()
     kv = router_sim.simulate("kv", workload, model, 4, 512, config)
     rr = router_sim.simulate("round-robin", workload, model, 4, 512, config)
@@ -88,13 +95,7 @@ def test_with_a_shared_cache_every_worker_finds_every_prefix(tmp_path):
     32 own tokens never, the prefix's first request's nothing), reached from any routing:
     kv routing without it reaches at most as much, round-robin far less."""
     model = router_sim.tiny_model_dir(tmp_path)
-    prefixes = [router_sim._tokens(f"p{g}", 512, 300) for g in range(12)]
-    rng = random.Random(0)
-    drawn = [rng.randrange(12) for _ in range(64)]
-    requests = [
-        [(prefixes[g] + router_sim._tokens(f"r{i}", 32, 300), 4)] for i, g in enumerate(drawn)
-    ]
-    workload = router_sim.Workload("groups", requests, [i / 20 for i in range(len(requests))])
+    workload, drawn = prefix_groups()
     config = router_sim.KvRouterConfig()
     reuse = (len(drawn) - len(set(drawn))) * 512 / (len(drawn) * 544)
     shared = router_sim.simulate("round-robin", workload, model, 4, 512, config, shared_cache=True)
@@ -161,12 +162,7 @@ def test_a_worker_host_tier_keeps_what_its_gpu_cache_evicts(tmp_path):
     about two of them. Without a host tier a prefix seen before is mostly evicted by its
     next request; with one (1 GiB: hundreds of the mocker's 2 MiB blocks) it is onboarded."""
     model = router_sim.tiny_model_dir(tmp_path)
-    prefixes = [router_sim._tokens(f"p{g}", 512, 300) for g in range(12)]
-    rng = random.Random(0)
-    requests = [
-        [(prefixes[rng.randrange(12)] + router_sim._tokens(f"r{i}", 32, 300), 4)] for i in range(64)
-    ]
-    workload = router_sim.Workload("groups", requests, [i / 20 for i in range(len(requests))])
+    workload, _ = prefix_groups()
     config = router_sim.KvRouterConfig()
     gpu_only = router_sim.simulate("round-robin", workload, model, 1, 80, config)
     tiered = router_sim.simulate("round-robin", workload, model, 1, 80, config, offload_cpu_gb=1.0)
