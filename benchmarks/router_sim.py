@@ -52,8 +52,9 @@ computes in one host tier that all the workers share (the engine's KV offload ti
 mocker's modelled copies, here at one byte a token, so a copy takes no time to speak of), of
 room for every block of the run. Any worker then finds any prefix an earlier request left
 anywhere, onboarded at admission: the hit rate no routing can beat, with round-robin's or
-least-loaded's balance. `kv` routing over it is not meaningful (its index hears only the
-worker that saved a block).
+least-loaded's balance. `kv` at its default overlap credit is no ceiling over it (its index
+hears a shared block only from the worker that saved it); with --kv-overlap-credit 0 its
+prefill term ignores the cache and it balances on load.
 
 Each worker's own host tier (--kv-offload-cpu-gb GB): the engine's KV offload as
 `shoal worker --kv-offload-cpu-gb` runs it, copies modelled at the mocker's bandwidth; the
